@@ -1,0 +1,455 @@
+"""Video sparse attention (VSA): 3-D tiling, a coarse tile-level stage and a block-sparse fine stage.
+
+Implements the attention of "VSA: Faster Video Diffusion with Trainable Sparse Attention"
+(P. Zhang et al., arXiv 2505.13389) as described there and in the FastVideo implementation it
+accompanies (https://github.com/hao-ai-lab/FastVideo). The code here is written from that
+description, not copied.
+
+The patchified latent grid ``(T, H, W)`` (tokens in raster order: t-major, then h, then w) is
+cut into cubes ("tiles") of ``tile = (tt, th, tw)`` tokens, tiles ordered t-major, then h, then w,
+tokens inside a tile in raster order. Each tile occupies ``V = tt * th * tw`` slots; edge tiles
+may be partial, and their padded slots hold zeros. On tiled tensors ``[B, H, N, V, D]``:
+
+1. coarse stage: the mean q, k, v of each tile (float32), tile-level softmax attention, its output
+   broadcast to every slot of the query tile;
+2. selection: per (batch, head, query tile), the top-k key tiles by coarse score,
+   ``k = clamp(ceil((1 - sparsity) * N_kv), 1, N_kv)`` with ``N_kv`` the global key-tile count;
+3. fine stage: token-level attention of each query tile over the valid tokens of its selected
+   key tiles only;
+4. combine: ``out = coarse_out * gate + fine_out`` (no gate: ``out = fine_out``).
+
+With ``sparsity = 0`` and no gate this is dense attention. Query tiles are independent given the
+full K/V, so a rank that owns a contiguous range of whole tiles can compute its rows alone (the
+K/V-gather path): pass its query tiles and all key tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # torch without flex_attention
+    BlockMask = None
+    flex_attention = None
+
+BACKENDS = ("auto", "reference", "flex")
+
+# Upper bound on the elements (scores plus gathered keys and values) that one chunk of query tiles
+# may materialise in the reference fine stage.
+_REFERENCE_CHUNK_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True, eq=False)
+class TileLayout:
+    """How a raster token sequence maps onto VSA tiles.
+
+    Attributes:
+        grid: Latent grid ``(T, H, W)`` in tokens; the raster sequence has ``S = T * H * W`` tokens.
+        tile: Tile shape ``(tt, th, tw)``.
+        num_tiles: Number of tiles ``N = prod(tile_grid)``.
+        tile_volume: Slots per tile ``V = tt * th * tw``.
+        tile_grid: Tiles per axis ``(ceil(T / tt), ceil(H / th), ceil(W / tw))``.
+        block_sizes: LongTensor ``[N]``, the number of valid (non-padded) tokens of each tile, in
+            ``[1, V]``; sums to ``S``.
+        tiled_index: LongTensor ``[N * V]``; for each tile slot (tile-major), the raster index of the
+            token it holds, or -1 for a padded slot.
+        raster_to_slot: LongTensor ``[S]``; for each raster token, the tile slot that holds it
+            (the inverse of ``tiled_index`` on valid slots).
+    """
+
+    grid: tuple[int, int, int]
+    tile: tuple[int, int, int]
+    num_tiles: int
+    tile_volume: int
+    tile_grid: tuple[int, int, int]
+    block_sizes: torch.Tensor
+    tiled_index: torch.Tensor
+    raster_to_slot: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """``S = T * H * W``, the length of the raster sequence."""
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+def make_tile_layout(grid, tile=(4, 4, 4), device=None) -> TileLayout:
+    """Build the :class:`TileLayout` of a latent grid.
+
+    Args:
+        grid: ``(T, H, W)`` token counts of the patchified latent, three ints >= 1.
+        tile: ``(tt, th, tw)`` tile shape, three ints >= 1 (VSA's default is ``(4, 4, 4)``, 64 tokens).
+        device: Device of the layout's index tensors (default: CPU).
+
+    Returns:
+        The layout; tiles are ordered t-major, then h, then w, and slots inside a tile in raster
+        order. Example: ``grid=(1, 2, 4), tile=(1, 2, 2)`` gives tiles ``[[0, 1, 4, 5], [2, 3, 6, 7]]``.
+
+    Raises:
+        ValueError: ``grid`` or ``tile`` is not three ints, or has an entry < 1.
+    """
+    grid = _three_positive_ints("grid", grid)
+    tile = _three_positive_ints("tile", tile)
+    T, H, W = grid
+    tt, th, tw = tile
+    tile_grid = (-(-T // tt), -(-H // th), -(-W // tw))
+    num_tiles = tile_grid[0] * tile_grid[1] * tile_grid[2]
+    tile_volume = tt * th * tw
+
+    def axis_coords(num_axis_tiles: int, tile_len: int) -> torch.Tensor:
+        # [num_axis_tiles, tile_len]: coordinate along one axis of each (tile, offset) pair.
+        return (torch.arange(num_axis_tiles, device=device)[:, None] * tile_len
+                + torch.arange(tile_len, device=device)[None, :])
+
+    # Broadcast to [nt, nh, nw, tt, th, tw]: tile-major, then slot in raster order.
+    t = axis_coords(tile_grid[0], tt).view(-1, 1, 1, tt, 1, 1)
+    h = axis_coords(tile_grid[1], th).view(1, -1, 1, 1, th, 1)
+    w = axis_coords(tile_grid[2], tw).view(1, 1, -1, 1, 1, tw)
+    valid = ((t < T) & (h < H) & (w < W)).reshape(num_tiles * tile_volume)
+    raster = (t * (H * W) + h * W + w).reshape(num_tiles * tile_volume)
+    tiled_index = torch.where(valid, raster, torch.full_like(raster, -1))
+
+    raster_to_slot = torch.empty(T * H * W, dtype=torch.long, device=device)
+    raster_to_slot[tiled_index[valid]] = torch.nonzero(valid).squeeze(1)
+    block_sizes = valid.view(num_tiles, tile_volume).sum(dim=1)
+    return TileLayout(grid=grid, tile=tile, num_tiles=num_tiles, tile_volume=tile_volume,
+                      tile_grid=tile_grid, block_sizes=block_sizes, tiled_index=tiled_index,
+                      raster_to_slot=raster_to_slot)
+
+
+def tile_tokens(x: torch.Tensor, layout: TileLayout, dim: int) -> torch.Tensor:
+    """Reorder a raster token sequence into VSA tiles.
+
+    Args:
+        x: Any tensor whose dimension ``dim`` is the raster sequence of length ``S = T * H * W``,
+            e.g. ``[B, H, S, D]`` with ``dim=2``.
+        layout: The grid's :class:`TileLayout`.
+        dim: The sequence dimension (negative values count from the end).
+
+    Returns:
+        ``x`` with dimension ``dim`` replaced by ``[num_tiles, V]`` (e.g. ``[B, H, N, V, D]``),
+        same dtype and device; padded slots are zero.
+
+    Raises:
+        ValueError: ``dim`` is out of range or ``x.shape[dim] != S``.
+    """
+    dim = _normalize_dim(dim, x.dim())
+    if x.shape[dim] != layout.num_tokens:
+        raise ValueError(f"tile_tokens: dimension {dim} of x has {x.shape[dim]} tokens, but the "
+                         f"grid {layout.grid} has {layout.num_tokens}")
+    tiled_shape = list(x.shape)
+    tiled_shape[dim] = layout.num_tiles * layout.tile_volume
+    tiled = x.new_zeros(tiled_shape)
+    tiled.index_copy_(dim, layout.raster_to_slot.to(x.device), x)
+    return tiled.unflatten(dim, (layout.num_tiles, layout.tile_volume))
+
+
+def untile_tokens(x_tiled: torch.Tensor, layout: TileLayout, dim: int) -> torch.Tensor:
+    """Inverse of :func:`tile_tokens`: back to raster order, padded slots dropped.
+
+    Args:
+        x_tiled: Tensor with ``[num_tiles, V]`` at dimensions ``dim, dim + 1``
+            (e.g. ``[B, H, N, V, D]`` with ``dim=2``).
+        layout: The grid's :class:`TileLayout`.
+        dim: Where the two tile dimensions start (negative values count from the end and name
+            the first of the two).
+
+    Returns:
+        ``x_tiled`` with those two dimensions replaced by the raster sequence of length ``S``.
+
+    Raises:
+        ValueError: ``dim`` is out of range or the tile dimensions are not ``[num_tiles, V]``.
+    """
+    dim = _normalize_dim(dim, x_tiled.dim())
+    if dim == x_tiled.dim() - 1:
+        raise ValueError(f"untile_tokens: dim {dim} is the last dimension; [num_tiles, V] need two")
+    expected = (layout.num_tiles, layout.tile_volume)
+    if tuple(x_tiled.shape[dim:dim + 2]) != expected:
+        raise ValueError(f"untile_tokens: dimensions {dim}, {dim + 1} of x_tiled are "
+                         f"{tuple(x_tiled.shape[dim:dim + 2])}, expected [num_tiles, V] = {expected}")
+    flat = x_tiled.flatten(dim, dim + 1)
+    return flat.index_select(dim, layout.raster_to_slot.to(x_tiled.device))
+
+
+def tile_range_tokens(layout: TileLayout, tile_start: int, tile_end: int) -> torch.Tensor:
+    """Raster indices of the valid tokens of tiles ``[tile_start, tile_end)``, in tile-slot order.
+
+    A rank of the K/V-gather path that owns a contiguous range of whole tiles uses this to pick its
+    tokens from the raster sequence (``x.index_select(dim, idx)``).
+
+    Returns:
+        LongTensor ``[sum(block_sizes[tile_start:tile_end])]`` on the layout's device.
+
+    Raises:
+        ValueError: unless ``0 <= tile_start <= tile_end <= num_tiles``.
+    """
+    if not 0 <= tile_start <= tile_end <= layout.num_tiles:
+        raise ValueError(f"tile range [{tile_start}, {tile_end}) is not inside "
+                         f"[0, {layout.num_tiles}) tiles")
+    slots = layout.tiled_index[tile_start * layout.tile_volume:tile_end * layout.tile_volume]
+    return slots[slots >= 0]
+
+
+def vsa_topk(num_kv_tiles: int, sparsity: float) -> int:
+    """Number of key tiles each query tile keeps: ``clamp(ceil((1 - sparsity) * N_kv), 1, N_kv)``.
+
+    The product is rounded to 1e-9 before the ceiling, so float noise does not add a tile
+    (``vsa_topk(10, 0.9) == 1``).
+
+    Raises:
+        ValueError: ``num_kv_tiles < 1`` or ``sparsity`` not in ``[0, 1)``.
+    """
+    if num_kv_tiles < 1:
+        raise ValueError(f"num_kv_tiles must be >= 1, got {num_kv_tiles}")
+    _check_sparsity(sparsity)
+    keep = math.ceil(round((1.0 - sparsity) * num_kv_tiles, 9))
+    return min(max(keep, 1), num_kv_tiles)
+
+
+def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                           q_block_sizes: torch.Tensor, kv_block_sizes: torch.Tensor,
+                           sparsity: float, gate: torch.Tensor | None = None,
+                           scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """VSA on tiled tensors (arXiv 2505.13389): coarse tile attention, top-k tile selection,
+    block-sparse token attention, gated combination.
+
+    Args:
+        q: Tiled queries ``[B, H, Nq, V, D]`` (from :func:`tile_tokens`); float32, float16 or
+            bfloat16. The ``Nq`` query tiles may be any subset of the grid's tiles (for example
+            one rank's contiguous range).
+        k: Tiled keys ``[B, H, Nk, V, D]``, all key tiles of the grid; same dtype and device.
+            ``Nk`` is the global tile count that sets top-k.
+        v: Tiled values ``[B, H, Nk, V, D]``.
+        q_block_sizes: Integer tensor ``[Nq]``, valid tokens of each query tile, each in ``[1, V]``.
+        kv_block_sizes: Integer tensor ``[Nk]``, valid tokens of each key tile, each in ``[1, V]``.
+        sparsity: Fraction of key tiles each query tile skips, in ``[0, 1)``; each query tile keeps
+            ``vsa_topk(Nk, sparsity)`` key tiles.
+        gate: None (a zero gate: the output is the fine stage alone), or ``[B, H, Nq, V, D]`` in
+            any float dtype, the per-token weight of the coarse output.
+        scale: Softmax scale of both stages; None means ``1 / sqrt(D)``.
+        backend: ``"reference"`` (pure torch, any device), ``"flex"`` (``flex_attention`` with a
+            block-sparse ``BlockMask``, compiled; CUDA only, ``V`` a multiple of 16 and ``D >= 16``)
+            or ``"auto"`` (``"flex"`` where it applies, else ``"reference"``).
+
+    Returns:
+        ``[B, H, Nq, V, D]`` in q's dtype; padded query slots are zero.
+
+    Raises:
+        ValueError: tensors not 5-D or with mismatched batch / heads / V / D / dtype / device,
+            block sizes of the wrong length or dtype, ``sparsity`` outside ``[0, 1)``, a gate of
+            the wrong shape, an unknown backend, or ``"flex"`` where it cannot run.
+
+    Padded slots of q, k, v may hold anything: they are excluded from the tile means and padded key
+    slots are masked in the fine stage. The coarse stage (means, scores, softmax) runs in float32;
+    the fine stage in q's dtype.
+    """
+    _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend)
+    tile_volume, head_dim = q.shape[3], q.shape[4]
+    num_kv_tiles = k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    q_block_sizes = q_block_sizes.to(device=q.device, dtype=torch.long)
+    kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.long)
+    if backend == "auto":
+        backend = "flex" if _flex_applies(q) else "reference"
+
+    # Coarse stage: tile means and tile-level scores, in float32.
+    q_mean = _tile_means(q, q_block_sizes)
+    k_mean = _tile_means(k, kv_block_sizes)
+    scores = torch.matmul(q_mean, k_mean.transpose(-1, -2)) * scale  # [B, H, Nq, Nk]
+
+    # Selection: the top-k key tiles of each query tile.
+    topk = vsa_topk(num_kv_tiles, sparsity)
+    selected = scores.topk(topk, dim=-1).indices  # [B, H, Nq, topk]
+
+    # Fine stage: token attention over the selected key tiles.
+    if backend == "flex":
+        out = _fine_stage_flex(q, k, v, selected, kv_block_sizes, scale)
+    else:
+        out = _fine_stage_reference(q, k, v, selected, kv_block_sizes, scale)
+
+    if gate is not None:
+        v_mean = _tile_means(v, kv_block_sizes)
+        coarse_out = torch.matmul(torch.softmax(scores, dim=-1), v_mean)  # [B, H, Nq, D]
+        out = (out.float() + coarse_out.unsqueeze(3) * gate.float()).to(q.dtype)
+
+    q_valid = _slot_mask(q_block_sizes, tile_volume)  # [Nq, V]
+    return out.masked_fill(~q_valid.unsqueeze(-1), 0)
+
+
+def _fine_stage_reference(q, k, v, selected, kv_block_sizes, scale):
+    """Fine stage in plain torch: per chunk of query tiles, gather the selected key tiles and run
+    SDPA with the padded key slots masked. Returns ``[B, H, Nq, V, D]`` in q's dtype."""
+    batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
+    topk = selected.shape[-1]
+    kv_valid = _slot_mask(kv_block_sizes, tile_volume)  # [Nk, V]
+    batch_index = torch.arange(batch, device=q.device).view(batch, 1, 1, 1)
+    head_index = torch.arange(heads, device=q.device).view(1, heads, 1, 1)
+
+    elements_per_q_tile = batch * heads * topk * tile_volume * (tile_volume + 2 * head_dim)
+    chunk = max(1, _REFERENCE_CHUNK_ELEMENTS // elements_per_q_tile)
+    outputs = []
+    for start in range(0, num_q_tiles, chunk):
+        chosen = selected[:, :, start:start + chunk]  # [B, H, c, topk]
+        c = chosen.shape[2]
+        # Gathered key tiles [B, H, c, topk, V, D] -> one key sequence per query tile.
+        k_sel = k[batch_index, head_index, chosen].reshape(batch, heads * c, topk * tile_volume, head_dim)
+        v_sel = v[batch_index, head_index, chosen].reshape(batch, heads * c, topk * tile_volume, head_dim)
+        key_mask = kv_valid[chosen].reshape(batch, heads * c, 1, topk * tile_volume)
+        q_chunk = q[:, :, start:start + c].reshape(batch, heads * c, tile_volume, head_dim)
+        out = F.scaled_dot_product_attention(q_chunk, k_sel, v_sel, attn_mask=key_mask, scale=scale)
+        outputs.append(out.view(batch, heads, c, tile_volume, head_dim))
+    return torch.cat(outputs, dim=2)
+
+
+def _fine_stage_flex(q, k, v, selected, kv_block_sizes, scale):
+    """Fine stage with compiled ``flex_attention`` and a BlockMask whose blocks are whole tiles.
+    Returns ``[B, H, Nq, V, D]`` in q's dtype."""
+    batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
+    num_kv_tiles = k.shape[2]
+    block_mask = _selection_block_mask(selected, kv_block_sizes, tile_volume)
+    out = _compiled_flex_attention()(
+        q.reshape(batch, heads, num_q_tiles * tile_volume, head_dim),
+        k.reshape(batch, heads, num_kv_tiles * tile_volume, head_dim),
+        v.reshape(batch, heads, num_kv_tiles * tile_volume, head_dim),
+        block_mask=block_mask, scale=scale,
+        kernel_options=_flex_kernel_options(tile_volume, head_dim, q.element_size()))
+    return out.view(batch, heads, num_q_tiles, tile_volume, head_dim)
+
+
+def _selection_block_mask(selected: torch.Tensor, kv_block_sizes: torch.Tensor, tile_volume: int):
+    """BlockMask of the fine stage: block size ``V`` (one block = one tile) on both axes.
+
+    Args:
+        selected: ``[B, H, Nq, topk]`` selected key-tile indices per query tile.
+        kv_block_sizes: LongTensor ``[Nk]`` on the same device.
+        tile_volume: ``V``.
+
+    Selected key tiles with ``V`` valid tokens are "full" blocks (no mask_mod evaluated); selected
+    partial tiles are mask_mod blocks, where ``mask_mod`` keeps the key slots below the tile's block
+    size. Per query tile, each list holds the selected tiles in ascending order, followed by the
+    unselected ones (a permutation of ``[0, Nk)``, as ``flex_attention`` builds it itself).
+    """
+    batch, heads, num_q_tiles, _ = selected.shape
+    num_kv_tiles = kv_block_sizes.shape[0]
+    chosen = torch.zeros(batch, heads, num_q_tiles, num_kv_tiles, dtype=torch.bool, device=selected.device)
+    chosen.scatter_(-1, selected, True)
+    full_tile = kv_block_sizes == tile_volume
+    full_num_blocks, full_indices = _block_lists(chosen & full_tile)
+    partial_num_blocks, partial_indices = _block_lists(chosen & ~full_tile)
+
+    def valid_key_slot(b, h, q_idx, kv_idx):
+        return (kv_idx % tile_volume) < kv_block_sizes[kv_idx // tile_volume]
+
+    return BlockMask.from_kv_blocks(
+        partial_num_blocks, partial_indices, full_num_blocks, full_indices,
+        BLOCK_SIZE=tile_volume, mask_mod=valid_key_slot,
+        seq_lengths=(num_q_tiles * tile_volume, num_kv_tiles * tile_volume))
+
+
+def _block_lists(block_chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., Nq, Nk]`` bool -> (int32 ``[..., Nq]`` count, int32 ``[..., Nq, Nk]`` indices with the
+    chosen key tiles first, each group in ascending order)."""
+    as_int = block_chosen.to(torch.int32)
+    num_blocks = as_int.sum(dim=-1, dtype=torch.int32)
+    indices = torch.argsort(as_int, dim=-1, descending=True, stable=True).to(torch.int32)
+    return num_blocks, indices
+
+
+def _flex_kernel_options(tile_volume: int, head_dim: int, element_size: int) -> dict:
+    """Triton tile sizes for flex_attention's forward kernel.
+
+    The kernel's ``BLOCK_M`` / ``BLOCK_N`` must divide the BlockMask block size (here ``V``); its
+    defaults on Hopper (``BLOCK_M = 128`` for bf16, D = 128) do not divide ``V = 64``. Take the
+    largest power of two (at least 16, which ``V % 16 == 0`` guarantees) that divides ``V``, capped
+    lower for wide rows (``D * element_size > 256`` bytes) to stay within shared memory.
+    """
+    wide_rows = head_dim * element_size > 256
+    cap_m, cap_n = (64, 32) if wide_rows else (128, 64)
+
+    def largest_divisor(cap: int) -> int:
+        size = cap
+        while tile_volume % size:
+            size //= 2
+        return size
+
+    return {"BLOCK_M": largest_divisor(cap_m), "BLOCK_N": largest_divisor(cap_n)}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention():
+    """``torch.compile(flex_attention)``, built on first use (the eager form is unfused and ignores
+    the block sparsity)."""
+    return torch.compile(flex_attention)
+
+
+def _flex_applies(q: torch.Tensor) -> bool:
+    """Whether the flex backend can run on q: CUDA, flex_attention importable, V a multiple of 16
+    (the kernel's smallest tile) and D >= 16 (tensor-core dot products)."""
+    tile_volume, head_dim = q.shape[-2], q.shape[-1]
+    return q.is_cuda and flex_attention is not None and tile_volume % 16 == 0 and head_dim >= 16
+
+
+def _tile_means(x: torch.Tensor, block_sizes: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, V, D]`` -> float32 ``[B, H, N, D]``: the mean over each tile's valid slots."""
+    valid = _slot_mask(block_sizes, x.shape[3]).unsqueeze(-1)  # [N, V, 1]
+    sums = x.masked_fill(~valid, 0).sum(dim=3, dtype=torch.float32)
+    return sums / block_sizes.to(torch.float32).unsqueeze(-1)
+
+
+def _slot_mask(block_sizes: torch.Tensor, tile_volume: int) -> torch.Tensor:
+    """``[N]`` block sizes -> bool ``[N, V]``, True on valid slots (the first ``block_sizes[i]``)."""
+    return torch.arange(tile_volume, device=block_sizes.device) < block_sizes.unsqueeze(-1)
+
+
+def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown VSA backend {backend!r}; choose one of {BACKENDS}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 5:
+            raise ValueError(f"VSA expects tiled {name} of shape [B, H, N, V, D], got {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[:2] != k.shape[:2] or q.shape[3:] != k.shape[3:]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, H, V and D "
+                         "([B, H, Nq, V, D] and [B, H, Nk, V, D])")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    for name, sizes, count in (("q_block_sizes", q_block_sizes, q.shape[2]),
+                               ("kv_block_sizes", kv_block_sizes, k.shape[2])):
+        if sizes.dim() != 1 or sizes.shape[0] != count:
+            raise ValueError(f"{name} must have shape [{count}] (one entry per tile), got {tuple(sizes.shape)}")
+        if sizes.is_floating_point() or sizes.is_complex() or sizes.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {sizes.dtype}")
+    _check_sparsity(sparsity)
+    if gate is not None and gate.shape != q.shape:
+        raise ValueError(f"gate must have q's shape {tuple(q.shape)}, got {tuple(gate.shape)}")
+    if backend == "flex" and not _flex_applies(q):
+        raise ValueError("backend='flex' needs CUDA tensors, torch.nn.attention.flex_attention, a tile "
+                         f"volume V that is a multiple of 16 and a head dim >= 16; got device {q.device}, "
+                         f"V={q.shape[3]}, D={q.shape[4]}. Use backend='reference' or 'auto'.")
+
+
+def _check_sparsity(sparsity: float) -> None:
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+
+
+def _three_positive_ints(name: str, values) -> tuple[int, int, int]:
+    values = tuple(int(x) for x in values)
+    if len(values) != 3 or any(x < 1 for x in values):
+        raise ValueError(f"{name} must be three ints >= 1 (T, H, W order), got {values}")
+    return values
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim {dim} is out of range [{-ndim}, {ndim})")
+    return dim % ndim

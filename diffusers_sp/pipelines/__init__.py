@@ -1,0 +1,75 @@
+"""Model families: one module per family with its traits and its sharding plan.
+
+:data:`FAMILIES` is the registry that :func:`diffusers_sp.enable_sequence_parallel` looks pipelines
+and models up in; the README's table of supported pipelines is checked against it by a test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..traits import ModelTraits
+from ..validation import SequenceParallelConfigError
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """How one model family is parallelized.
+
+    Attributes:
+        name: Family name (module name in this package), e.g. ``"wan"``.
+        pipeline_classes: Diffusers pipeline class names the family supports.
+        model_classes: Transformer class names the family supports.
+        is_video: Whether the family's latents are videos.
+        model_traits: ``(model, attribute) -> ModelTraits``, read from the model's config.
+        sharding_plan: ``model -> plan`` in ``_cp_plan`` format (see :mod:`diffusers_sp.sharding`).
+        attention_modules: ``model -> [(qualified name, module)]``: the self-attention modules whose
+            processors are wrapped (cross-attention is left alone).
+        transformer_attributes: Pipeline attributes that may hold a transformer to parallelize.
+    """
+
+    name: str
+    pipeline_classes: tuple[str, ...]
+    model_classes: tuple[str, ...]
+    is_video: bool
+    model_traits: Callable[[torch.nn.Module, str], ModelTraits]
+    sharding_plan: Callable[[torch.nn.Module], dict]
+    attention_modules: Callable[[torch.nn.Module], list]
+    transformer_attributes: tuple[str, ...] = ("transformer",)
+
+
+def _registry() -> tuple[FamilySpec, ...]:
+    from .wan import WAN
+
+    return (WAN,)
+
+
+FAMILIES: tuple[FamilySpec, ...] = _registry()
+
+
+def supported_pipelines() -> list[str]:
+    """Names of every supported pipeline class."""
+    return [p for f in FAMILIES for p in f.pipeline_classes]
+
+
+def supported_models() -> list[str]:
+    """Names of every supported transformer class."""
+    return [m for f in FAMILIES for m in f.model_classes]
+
+
+def family_for(target) -> FamilySpec:
+    """The family that supports ``target`` (a pipeline or a transformer), by its class.
+
+    Raises:
+        SequenceParallelConfigError: no family supports the class; the message lists those that do.
+    """
+    cls_name = type(target).__name__
+    for fam in FAMILIES:
+        if cls_name in fam.pipeline_classes or cls_name in fam.model_classes:
+            return fam
+    raise SequenceParallelConfigError(
+        f"{cls_name} is not supported by diffusers-sp. Supported pipelines: {', '.join(supported_pipelines())}; "
+        f"supported transformers (pass pipe.transformer): {', '.join(supported_models())}.")

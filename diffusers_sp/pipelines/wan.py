@@ -1,0 +1,55 @@
+"""Wan 2.1 / 2.2 (text-to-video, image-to-video, two-transformer MoE, TI2V) for sequence parallelism.
+
+Wan's self-attention (``blocks.*.attn1``) runs over the video tokens only; text and the CLIP image
+context enter through cross-attention (``attn2``), which needs no communication and is left alone.
+The sharding plan is the model's own Diffusers ``_cp_plan``: split the RoPE tables and the first
+block's hidden states along the tokens, split per-token timesteps (Wan 2.2 TI2V, ``timestep`` of
+shape ``[B, S]``) at the model input, gather the output projection.
+"""
+
+from __future__ import annotations
+
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+from ..traits import ModelTraits
+from . import FamilySpec
+
+# The plan Diffusers 0.42 ships as WanTransformer3DModel._cp_plan; used when a model lacks one.
+_WAN_PLAN = {
+    "rope": {0: ContextParallelInput(split_dim=1, expected_dims=4, split_output=True),
+             1: ContextParallelInput(split_dim=1, expected_dims=4, split_output=True)},
+    "blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
+    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    "": {"timestep": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)},
+}
+
+
+def wan_model_traits(model, attribute: str) -> ModelTraits:
+    """Traits of a ``WanTransformer3DModel`` from its config."""
+    cfg = model.config
+    return ModelTraits(
+        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
+        head_dim=int(cfg.attention_head_dim), is_video=True, patch_size=tuple(cfg.patch_size),
+        joint_text=None, text_mask=False, num_attention_layers=len(model.blocks))
+
+
+def wan_sharding_plan(model) -> dict:
+    """The model's Diffusers ``_cp_plan`` (or the 0.42 plan when absent), whose splits are made uneven-aware."""
+    return dict(getattr(model, "_cp_plan", None) or _WAN_PLAN)
+
+
+def wan_attention_modules(model) -> list:
+    """``blocks.{i}.attn1`` (video self-attention) of every block."""
+    return [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(model.blocks)]
+
+
+WAN = FamilySpec(
+    name="wan",
+    pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
+    model_classes=("WanTransformer3DModel",),
+    is_video=True,
+    model_traits=wan_model_traits,
+    sharding_plan=wan_sharding_plan,
+    attention_modules=wan_attention_modules,
+    transformer_attributes=("transformer", "transformer_2"),
+)

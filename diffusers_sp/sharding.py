@@ -1,0 +1,194 @@
+"""Splitting model inputs and gathering outputs along the sequence (uneven, balanced shards).
+
+A sharding plan has the format of a Diffusers model's ``_cp_plan`` (which is what it is built
+from where the model ships one): a dict from submodule name (``""`` for the model itself, ``"blocks.0"``,
+``"blocks.*"`` for every block) to either
+
+* a dict ``{argument name or output index: ContextParallelInput(split_dim, expected_dims, split_output)}``:
+  split those forward arguments (or, with ``split_output=True``, those outputs) along ``split_dim``;
+* a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
+
+Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
+tokens and P ranks, rank r gets ``S // P + (r < S % P)`` tokens, in rank order. Tensors whose rank
+(number of dims) differs from ``expected_dims`` pass through whole, as in Diffusers.
+
+The hooks are Diffusers' own :class:`diffusers.hooks.ModelHook` / ``HookRegistry``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+from .comm import all_gather_along
+from .groups import SPGroup
+from .validation import SequenceParallelConfigError
+
+HOOK_PREFIX = "diffusers_sp"
+
+
+def balanced_sizes(total: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` balanced shards of ``total`` items: the first ``total % parts`` get one more.
+
+    The same split as ``torch.tensor_split(x, parts)``; used for tokens and for Ulysses heads.
+    """
+    base, extra = divmod(int(total), int(parts))
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def shard(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's balanced shard of ``x`` along ``dim`` (a view, no copy)."""
+    sizes = balanced_sizes(x.shape[dim], world_size)
+    return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
+
+
+@dataclass
+class SequenceState:
+    """Per-model state shared by the sharding hooks and the attention processors.
+
+    Attributes:
+        group: The sequence-parallel group.
+        seq_len: Full (unsplit) length S of the sequence split in the current forward, set by the
+            split hooks; ``None`` before the first split.
+        extra: Family-specific per-forward values (for example the text length of joint attention).
+    """
+
+    group: SPGroup
+    seq_len: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def shard_sizes(self) -> list[int]:
+        """Tokens held by each rank for the current forward."""
+        if self.seq_len is None:
+            raise SequenceParallelConfigError(
+                "sequence-parallel attention ran before any sequence tensor was split: the model's "
+                "sharding plan does not match its forward (open an issue with the model class)."
+            )
+        return balanced_sizes(self.seq_len, self.group.world_size)
+
+
+def _forward_parameters(module: torch.nn.Module) -> list[str]:
+    params = list(inspect.signature(type(module).forward).parameters)
+    return params[1:]  # drop self
+
+
+class SequenceSplitHook(ModelHook):
+    """Splits named forward arguments (or outputs, ``split_output=True``) into this rank's shard."""
+
+    def __init__(self, entries: dict, state: SequenceState):
+        super().__init__()
+        self.entries = entries
+        self.state = state
+        self._params: list[str] | None = None
+
+    def _split(self, x, spec: ContextParallelInput):
+        if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
+            return x
+        group = self.state.group
+        length = x.shape[spec.split_dim]
+        if length < group.world_size:
+            raise SequenceParallelConfigError(
+                f"cannot split a sequence of {length} tokens over {group.world_size} ranks; use fewer "
+                f"ranks or a larger latent (height, width or frames)."
+            )
+        self.state.seq_len = length
+        return shard(x, spec.split_dim, group.rank, group.world_size)
+
+    def pre_forward(self, module, *args, **kwargs):
+        if self._params is None:
+            self._params = _forward_parameters(module)
+        args = list(args)
+        for name, spec in self.entries.items():
+            if not isinstance(name, str) or spec.split_output:
+                continue
+            if name in kwargs:
+                kwargs[name] = self._split_value(kwargs[name], spec)
+            elif name in self._params and self._params.index(name) < len(args):
+                i = self._params.index(name)
+                args[i] = self._split_value(args[i], spec)
+        return tuple(args), kwargs
+
+    def _split_value(self, value, spec):
+        if isinstance(spec, (list, tuple)):
+            return type(value)(self._split(v, s) for v, s in zip(value, spec))
+        return self._split(value, spec)
+
+    def post_forward(self, module, output):
+        out_specs = {k: v for k, v in self.entries.items() if isinstance(k, int)}
+        if not out_specs:
+            return output
+        single = torch.is_tensor(output)
+        items = [output] if single else list(output)
+        for index, spec in out_specs.items():
+            items[index] = self._split(items[index], spec)
+        return items[0] if single else type(output)(items)
+
+
+class SequenceGatherHook(ModelHook):
+    """Gathers the module's output(s) along the sequence back to full length on every rank."""
+
+    def __init__(self, specs: list, state: SequenceState):
+        super().__init__()
+        self.specs = specs
+        self.state = state
+
+    def post_forward(self, module, output):
+        single = torch.is_tensor(output)
+        items = [output] if single else list(output)
+        for i, spec in enumerate(self.specs):
+            if spec is None or (spec.expected_dims is not None and items[i].ndim != spec.expected_dims):
+                continue
+            items[i] = all_gather_along(items[i], spec.gather_dim, self.state.shard_sizes(), self.state.group)
+        return items[0] if single else type(output)(items)
+
+
+def _submodules(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
+    if name == "":
+        return [model]
+    if name.endswith(".*"):
+        parent = model.get_submodule(name[:-2])
+        return list(parent.children())
+    return [model.get_submodule(name)]
+
+
+def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState) -> list[tuple[torch.nn.Module, str]]:
+    """Registers split/gather hooks for ``plan`` on ``model``'s submodules.
+
+    Returns:
+        ``(module, hook name)`` pairs, for :func:`remove_hooks`.
+
+    Raises:
+        SequenceParallelConfigError: a plan entry names a submodule the model does not have.
+    """
+    installed = []
+    for name, entry in plan.items():
+        try:
+            modules = _submodules(model, name)
+        except AttributeError as exc:
+            raise SequenceParallelConfigError(
+                f"{type(model).__name__}: sharding plan names submodule {name!r}, which the model lacks."
+            ) from exc
+        if isinstance(entry, dict):
+            hook_name = f"{HOOK_PREFIX}_split:{name}"
+            make = lambda: SequenceSplitHook(entry, state)  # noqa: E731
+        else:
+            specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
+            hook_name = f"{HOOK_PREFIX}_gather:{name}"
+            make = lambda: SequenceGatherHook(specs, state)  # noqa: E731
+        for module in modules:
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(make(), hook_name)
+            installed.append((module, hook_name))
+    return installed
+
+
+def remove_hooks(installed: list[tuple[torch.nn.Module, str]]) -> None:
+    """Removes hooks registered by :func:`apply_plan` (and restores each module's forward)."""
+    for module, hook_name in reversed(installed):
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None:
+            registry.remove_hook(hook_name, recurse=False)
