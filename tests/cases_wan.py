@@ -1,0 +1,184 @@
+"""Cases run on every rank by tests/test_wan_parallel.py (see tests/distributed.py).
+
+Sizes are chosen so that the token count divides none of the world sizes 2, 3, 4: latents of
+5 x 10 x 14 (frames x height x width) give 5 * 5 * 7 = 175 tokens after the (1, 2, 2) patchify;
+pipelines run at 17 frames, 80 x 112 pixels, which is the same latent.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from diffusers_sp import SequenceParallelConfigError, disable_sequence_parallel, enable_sequence_parallel
+from diffusers_sp.tiny_models import tiny_wan_pipeline, tiny_wan_transformer
+
+MODES = ("ulysses", "kv_gather")
+TOKENS = 5 * 5 * 7
+CALL = dict(height=80, width=112, num_frames=17, guidance_scale=5.0)
+
+
+def compare(ref: torch.Tensor, out: torch.Tensor) -> dict:
+    """Max abs difference and the reference's scale (max abs), as floats."""
+    return {"max_abs": (out.double() - ref.double()).abs().max().item(), "scale": ref.abs().max().item(),
+            "shape_ok": tuple(out.shape) == tuple(ref.shape)}
+
+
+def _inputs(batch: int = 2, per_token_timestep: bool = False, in_channels: int = 16):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, in_channels, 5, 10, 14, generator=g)
+    t = (torch.randint(0, 1000, (batch, TOKENS), generator=g) if per_token_timestep
+         else torch.tensor([500.0, 250.0][:batch]))
+    return x, t, torch.randn(batch, 12, 32, generator=g)
+
+
+def _forward_all_modes(model, kwargs) -> dict:
+    with torch.no_grad():
+        ref = model(**kwargs).sample
+        results = {}
+        for mode in MODES:
+            handle = enable_sequence_parallel(model, mode=mode)
+            results[mode] = compare(ref, model(**kwargs).sample)
+            results[mode]["resolved"] = handle.mode
+            handle.disable()
+        results["restored_bitwise"] = torch.equal(model(**kwargs).sample, ref)
+    return results
+
+
+def case_transformer_t2v():
+    x, t, e = _inputs()
+    return _forward_all_modes(tiny_wan_transformer(), dict(hidden_states=x, timestep=t, encoder_hidden_states=e))
+
+
+def case_transformer_uneven_heads():
+    # 5 heads divide none of 2, 3, 4: Ulysses splits them unevenly.
+    x, t, e = _inputs()
+    model = tiny_wan_transformer(num_attention_heads=5)
+    return _forward_all_modes(model, dict(hidden_states=x, timestep=t, encoder_hidden_states=e))
+
+
+def case_transformer_ti2v_per_token_timesteps():
+    x, t, e = _inputs(per_token_timestep=True)
+    return _forward_all_modes(tiny_wan_transformer(), dict(hidden_states=x, timestep=t, encoder_hidden_states=e))
+
+
+def case_transformer_i2v_image_context():
+    g = torch.Generator().manual_seed(2)
+    x, t, _ = _inputs(in_channels=36)
+    # Wan's I2V processor assumes 512 text tokens after the image tokens.
+    e = torch.randn(2, 512, 32, generator=g)
+    img = torch.randn(2, 9, 4, generator=g)
+    model = tiny_wan_transformer(in_channels=36, image_dim=4)
+    return _forward_all_modes(model, dict(hidden_states=x, timestep=t, encoder_hidden_states=e,
+                                          encoder_hidden_states_image=img))
+
+
+@functools.lru_cache(maxsize=None)
+def _pipe(kind: str):
+    return tiny_wan_pipeline(kind)
+
+
+def _pipeline_all_modes(kind: str, output_type: str = "latent", modes=MODES, **extra) -> dict:
+    pipe = _pipe(kind)
+    call = dict(CALL, prompt="a cat runs on the grass", negative_prompt="rain", num_inference_steps=3,
+                output_type=output_type, **extra)
+    ref = torch.as_tensor(pipe(**call, generator=torch.Generator().manual_seed(0)).frames)
+    results = {}
+    for mode in modes:
+        handle = enable_sequence_parallel(pipe, mode=mode)
+        out = torch.as_tensor(pipe(**call, generator=torch.Generator().manual_seed(0)).frames)
+        results[mode] = compare(ref, out)
+        results[mode]["transformers"] = len(handle._models)
+        disable_sequence_parallel(pipe)
+    return results
+
+
+def case_pipeline_t2v_latent():
+    return _pipeline_all_modes("t2v")
+
+
+def case_pipeline_t2v_decoded():
+    return _pipeline_all_modes("t2v", output_type="np", modes=("kv_gather",))
+
+
+def case_pipeline_i2v():
+    from PIL import Image
+
+    image = Image.fromarray((torch.rand(80, 112, 3, generator=torch.Generator().manual_seed(3)) * 255)
+                            .to(torch.uint8).numpy())
+    return _pipeline_all_modes("i2v", image=image)
+
+
+def case_pipeline_wan22_two_transformers():
+    return _pipeline_all_modes("t2v_moe")
+
+
+def case_pipeline_ti2v():
+    return _pipeline_all_modes("ti2v", modes=("ulysses",))
+
+
+def case_random_draws_agree():
+    """Ranks whose RNGs diverged before enable still start from identical latents (no generator passed)."""
+    torch.rand(dist.get_rank() + 1)  # desynchronise the global RNGs
+    pipe = _pipe("t2v")
+    enable_sequence_parallel(pipe, mode="kv_gather")
+    try:
+        latents = pipe.prepare_latents(1, 16, 80, 112, 17, torch.float32, torch.device("cpu"))
+        after = torch.rand(4)  # global RNG state synchronised at enable
+    finally:
+        disable_sequence_parallel(pipe)
+    return {"latents": latents, "after": after}
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except SequenceParallelConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def case_error_ulysses_too_few_heads():
+    model = tiny_wan_transformer(num_attention_heads=1)
+    return _error_of(lambda: enable_sequence_parallel(model, mode="ulysses"))
+
+
+def case_error_unknown_mode():
+    return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="ring"))
+
+
+def case_error_vsa_not_available():
+    return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="vsa"))
+
+
+def case_error_unknown_option():
+    return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="auto", sparsity=0.5))
+
+
+def case_error_already_enabled():
+    model = tiny_wan_transformer()
+    handle = enable_sequence_parallel(model, mode="kv_gather")
+    try:
+        return _error_of(lambda: enable_sequence_parallel(model, mode="ulysses"))
+    finally:
+        handle.disable()
+
+
+def case_error_unsupported_model():
+    from diffusers import AutoencoderKLWan
+
+    return _error_of(lambda: enable_sequence_parallel(AutoencoderKLWan(base_dim=3, z_dim=4), mode="auto"))
+
+
+def case_error_bad_process_group():
+    return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), process_group="world"))
+
+
+def case_group_usable_after_errors():
+    """After every error case, the group still works: nothing was left half-way in a collective."""
+    x = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(x)
+    out = case_transformer_t2v()
+    return {"sum": x.item(), "forward": out}

@@ -1,0 +1,108 @@
+"""Runs test cases inside P processes on CPU/gloo, once per world size (see DESIGN.md, "Testing").
+
+A *case* is a module-level function ``case_<name>()`` in a module under ``tests/``, run on every
+rank. Before it runs, the process group is initialised through the same path users take
+(``accelerate.PartialState`` via :func:`diffusers_sp.groups.resolve_group`) from the environment a
+launcher would set. A case returns a picklable value (usually metrics that the pytest side
+asserts on) or raises. One spawn per (module, world size) runs all the cases of that module, in
+order, and returns ``{case name: [result of rank 0, ..., result of rank P-1]}``, where a result is
+``("ok", value)`` or ``("error", "ExceptionType: message", traceback text)``.
+
+Cases must fail identically on every rank (or not at all), as the product does; the gloo group has a
+short collective timeout (:data:`diffusers_sp.groups.TIMEOUT_ENV`) so a case that does not still ends.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(local_rank: int, world_size: int, port: int, module: str, cases: list[str], out_dir: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      OMP_NUM_THREADS="1")
+    os.environ.setdefault("DIFFUSERS_SP_TIMEOUT_S", "120")
+    sys.path.insert(0, TESTS_DIR)
+    import torch
+
+    torch.set_num_threads(1)
+    from diffusers_sp.groups import resolve_group
+
+    resolve_group()
+    mod = importlib.import_module(module)
+    results = {}
+    for name in cases:
+        try:
+            results[name] = ("ok", getattr(mod, f"case_{name}")())
+        except Exception as exc:  # reported to the pytest side, which fails that case's test
+            results[name] = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{local_rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def case_names(module) -> list[str]:
+    """Names of the ``case_*`` functions of ``module``, in definition order."""
+    return [n[len("case_"):] for n in vars(module) if n.startswith("case_") and callable(getattr(module, n))]
+
+
+def run_cases(module: str, world_size: int, cases: list[str] | None = None, timeout: float = 900) -> dict:
+    """Runs the cases of ``tests/<module>.py`` on ``world_size`` CPU processes; see the module docstring."""
+    sys.path.insert(0, TESTS_DIR)
+    if cases is None:
+        cases = case_names(importlib.import_module(module))
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_worker, args=(world_size, _free_port(), module, cases, out_dir),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{module} at world size {world_size} did not finish in {timeout} s")
+        per_rank = []
+        for r in range(world_size):
+            with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+                per_rank.append(pickle.load(f))
+    return {name: [per_rank[r][name] for r in range(world_size)] for name in cases}
+
+
+def values(results: dict, name: str) -> list:
+    """The per-rank values of case ``name``; fails the calling test with the rank's traceback on error."""
+    out = []
+    for rank, res in enumerate(results[name]):
+        if res[0] != "ok":
+            raise AssertionError(f"case {name} failed on rank {rank}: {res[1]}\n{res[2]}")
+        out.append(res[1])
+    return out
+
+
+def errors(results: dict, name: str) -> list[str]:
+    """The per-rank error messages of case ``name``, which must have raised on every rank."""
+    msgs = []
+    for rank, res in enumerate(results[name]):
+        if res[0] != "error":
+            raise AssertionError(f"case {name} was expected to raise on rank {rank}, returned {res[1]!r}")
+        msgs.append(res[1])
+    return msgs
