@@ -44,10 +44,24 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--fps", type=int, default=16)
-    p.add_argument("--output", default="outputs/video.mp4", help="video file written by rank 0")
+    p.add_argument("--output", default="outputs/video.mp4",
+                   help="video file written by rank 0 (.mp4 through imageio-ffmpeg, or .gif)")
     p.add_argument("--check", action="store_true",
                    help="rank 0 also runs without sequence parallelism and compares")
     return p.parse_args(argv)
+
+
+def write_video(frames, path: str, fps: int) -> None:
+    """Writes ``frames`` (``[F, H, W, 3]`` floats in [0, 1]) with Diffusers' exporters: GIF for ``.gif``,
+    else ``export_to_video`` (imageio + ffmpeg, e.g. ``.mp4``)."""
+    from diffusers.utils import export_to_gif, export_to_video
+    from diffusers.utils.pil_utils import numpy_to_pil
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if path.lower().endswith(".gif"):
+        export_to_gif(numpy_to_pil(frames), path, fps=fps)
+    else:
+        export_to_video(list(frames), path, fps=fps)
 
 
 def load_pipeline(model: str | None, dtype: torch.dtype, rank: int):
@@ -99,10 +113,7 @@ def main(argv=None) -> int:
     log.info("generated %d frames of %dx%d in %.2f s", len(frames), args.width, args.height, time.perf_counter() - start)
 
     if rank == 0:
-        from diffusers.utils import export_to_video
-
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        export_to_video(list(frames), args.output, fps=args.fps)
+        write_video(frames, args.output, args.fps)
         log.info("wrote %s", args.output)
 
     ok = True

@@ -34,7 +34,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(local_rank: int, world_size: int, port: int, module: str, cases: list[str], out_dir: str):
+def _worker(local_rank: int, world_size: int, port: int, module: str, cases: list[str], out_dir: str, device: str):
+    if device == "cpu":
+        # gloo on CPU even on a machine with GPUs.
+        os.environ.update(ACCELERATE_USE_CPU="1", CUDA_VISIBLE_DEVICES="")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS="1")
@@ -43,6 +46,8 @@ def _worker(local_rank: int, world_size: int, port: int, module: str, cases: lis
     import torch
 
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
     from diffusers_sp.groups import resolve_group
 
     resolve_group()
@@ -67,13 +72,17 @@ def case_names(module) -> list[str]:
     return [n[len("case_"):] for n in vars(module) if n.startswith("case_") and callable(getattr(module, n))]
 
 
-def run_cases(module: str, world_size: int, cases: list[str] | None = None, timeout: float = 900) -> dict:
-    """Runs the cases of ``tests/<module>.py`` on ``world_size`` CPU processes; see the module docstring."""
+def run_cases(module: str, world_size: int, cases: list[str] | None = None, timeout: float = 900,
+              device: str = "cpu") -> dict:
+    """Runs the cases of ``tests/<module>.py`` on ``world_size`` processes; see the module docstring.
+
+    ``device="cpu"`` runs them on gloo (CUDA hidden), ``"cuda"`` on NCCL with one GPU per rank.
+    """
     sys.path.insert(0, TESTS_DIR)
     if cases is None:
         cases = case_names(importlib.import_module(module))
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world_size, _free_port(), module, cases, out_dir),
+        ctx = mp.start_processes(_worker, args=(world_size, _free_port(), module, cases, out_dir, device),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=5):
