@@ -24,6 +24,14 @@ _OPTIONS = {"attention_kernel": "auto"}
 _HANDLE_ATTR = "_diffusers_sp_handle"
 
 
+def _set_processor(module: torch.nn.Module, processor) -> None:
+    """``module.set_processor(processor)``; attention classes without it (``MochiAttention``) get the attribute."""
+    if hasattr(module, "set_processor"):
+        module.set_processor(processor)
+    else:
+        module.processor = processor
+
+
 @dataclass
 class _InstalledModel:
     model: torch.nn.Module
@@ -58,7 +66,7 @@ class SequenceParallelHandle:
         for installed in self._models:
             remove_hooks(installed.hooks)
             for module, original, backend in installed.processors:
-                module.set_processor(original)
+                _set_processor(module, original)
                 if hasattr(original, "_attention_backend"):
                     original._attention_backend = backend
             if getattr(installed.model, _HANDLE_ATTR, None) is self:
@@ -191,8 +199,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
                                     group=group, target=target)
     processor_cls = PROCESSORS[resolved]
-    for _, model in models:
-        state = SequenceState(group)
+    for (_, model), model_traits in zip(models, traits.models):
+        # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
+        state = SequenceState(group, extra={"joint_text": model_traits.joint_text})
         installed = _InstalledModel(model, state, hooks=[], processors=[])
         handle._models.append(installed)
         installed.hooks = apply_plan(model, family.sharding_plan(model), state)
@@ -204,7 +213,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 # which the wrapper catches.
                 inner._attention_backend = "native"
             installed.processors.append((module, inner, backend))
-            module.set_processor(processor_cls(inner, state, kernel=opts["attention_kernel"]))
+            _set_processor(module, processor_cls(inner, state, kernel=opts["attention_kernel"]))
         setattr(model, _HANDLE_ATTR, handle)
     if target is not models[0][1]:
         _sync_rng_states(group)

@@ -104,7 +104,7 @@ class SequenceSplitHook(ModelHook):
             self._params = _forward_parameters(module)
         args = list(args)
         for name, spec in self.entries.items():
-            if not isinstance(name, str) or spec.split_output:
+            if not isinstance(name, str) or getattr(spec, "split_output", False):
                 continue
             if name in kwargs:
                 kwargs[name] = self._split_value(kwargs[name], spec)
@@ -115,6 +115,8 @@ class SequenceSplitHook(ModelHook):
 
     def _split_value(self, value, spec):
         if isinstance(spec, (list, tuple)):
+            if not isinstance(value, (list, tuple)):  # e.g. an optional RoPE tuple passed as None
+                return value
             return type(value)(self._split(v, s) for v, s in zip(value, spec))
         return self._split(value, spec)
 

@@ -29,6 +29,11 @@ class FamilySpec:
         attention_modules: ``model -> [(qualified name, module)]``: the self-attention modules whose
             processors are wrapped (cross-attention is left alone).
         transformer_attributes: Pipeline attributes that may hold a transformer to parallelize.
+        joint_text: Where text tokens sit in the family's self-attention sequence: ``None`` (text
+            only in cross-attention, or no text), ``"prefix"`` or ``"suffix"`` (for the README table;
+            the per-model value is :attr:`ModelTraits.joint_text`).
+        text_mask: Whether the family applies a text key padding mask (ragged prompts).
+        modes: Sequence-parallel modes that run exactly for the family (README table, tests).
     """
 
     name: str
@@ -39,12 +44,46 @@ class FamilySpec:
     sharding_plan: Callable[[torch.nn.Module], dict]
     attention_modules: Callable[[torch.nn.Module], list]
     transformer_attributes: tuple[str, ...] = ("transformer",)
+    joint_text: str | None = None
+    text_mask: bool = False
+    modes: tuple[str, ...] = ("ulysses", "kv_gather")
+
+
+def plan_without(plan: dict, drop: dict) -> dict:
+    """A copy of a ``_cp_plan`` without the entries that split text tokens.
+
+    Diffusers' context-parallel plans shard the text as well; diffusers-sp keeps the text replicated
+    on every rank and shards only image/video tokens, so the text entries are dropped.
+
+    Args:
+        plan: A plan in ``_cp_plan`` format (see :mod:`diffusers_sp.sharding`).
+        drop: ``{submodule name: [argument names or output indices to remove]}``; a submodule whose
+            entry becomes empty is removed.
+
+    Returns:
+        The filtered plan (the input is not modified).
+    """
+    out = {}
+    for name, entry in plan.items():
+        if isinstance(entry, dict):
+            entry = {k: v for k, v in entry.items() if k not in drop.get(name, ())}
+            if not entry:
+                continue
+        out[name] = entry
+    return out
 
 
 def _registry() -> tuple[FamilySpec, ...]:
+    from .cogvideox import COGVIDEOX
+    from .flux import FLUX
+    from .hunyuan_video import HUNYUAN_VIDEO
+    from .ltx import LTX
+    from .mochi import MOCHI
+    from .qwenimage import QWENIMAGE
+    from .sd3 import SD3
     from .wan import WAN
 
-    return (WAN,)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

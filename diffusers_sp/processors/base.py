@@ -6,6 +6,20 @@ processor runs, a :class:`torch.overrides.TorchFunctionMode` catches
 ``torch.nn.functional.scaled_dot_product_attention`` (which Diffusers' ``dispatch_attention_fn``
 ends in with the ``native`` backend, pinned on the inner processor, and which CogVideoX, Mochi and
 SD3 processors call directly) and routes it through the strategy of the subclass.
+
+Joint attention (text tokens inside the self-attention sequence: Flux, SD3, CogVideoX, QwenImage,
+HunyuanVideo, Mochi). The text is replicated on every rank and only the image/video tokens are
+sharded, so the attention call a rank makes sees ``T + S_r`` tokens: ``T`` text tokens (the same on
+every rank) and this rank's ``S_r`` image tokens, text first (``"prefix"``) or last (``"suffix"``)
+as the family declares (``SequenceState.extra["joint_text"]``). ``T`` is read from each call as
+``L - S_r`` (so Mochi's per-sample calls with a different number of valid text tokens work).
+
+Masks. A *key padding mask* (one value per batch element and key token, the same for every query,
+boolean True = attend or additive float; shape broadcastable to ``[B, H, 1, L]``) is supported:
+its text part is replicated, its image part is all-gathered with the same uneven sizes as the keys,
+and the strategies receive the mask over the full key sequence in the model's order. A mask that
+varies along the query dimension would need the mask entries between this rank's queries and the
+other ranks' keys, which no rank has: it raises :class:`SequenceParallelConfigError`.
 """
 
 from __future__ import annotations
@@ -16,10 +30,104 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..comm import all_gather_along
 from ..sharding import SequenceState
 from ..validation import SequenceParallelConfigError
 
 _SDPA = F.scaled_dot_product_attention
+
+#: Values of ``SequenceState.extra["joint_text"]``: where the text tokens sit in the joint sequence.
+TEXT_LAYOUTS = (None, "prefix", "suffix")
+
+
+def split_text_image(x: torch.Tensor, text_len: int, text_layout: str | None, dim: int = 2):
+    """Splits a joint sequence into its text and image parts along ``dim``.
+
+    Args:
+        x: Tensor whose ``dim`` holds ``text_len`` text tokens and the image tokens.
+        text_len: Number of text tokens T (0: no text).
+        text_layout: ``"prefix"`` (text first), ``"suffix"`` (text last) or ``None`` (``text_len`` must be 0).
+
+    Returns:
+        ``(text, image)`` views; ``text`` has ``text_len`` entries along ``dim``.
+    """
+    n = x.shape[dim]
+    if text_len == 0:
+        return x.narrow(dim, 0, 0), x
+    if text_layout == "prefix":
+        return x.narrow(dim, 0, text_len), x.narrow(dim, text_len, n - text_len)
+    if text_layout == "suffix":
+        return x.narrow(dim, n - text_len, text_len), x.narrow(dim, 0, n - text_len)
+    raise ValueError(f"text_layout must be 'prefix' or 'suffix' with text tokens, got {text_layout!r}")
+
+
+def join_text_image(text: torch.Tensor, image: torch.Tensor, text_layout: str | None, dim: int = 2) -> torch.Tensor:
+    """Inverse of :func:`split_text_image`: concatenates text and image parts in the family's order."""
+    if text.shape[dim] == 0:
+        return image
+    parts = [text, image] if text_layout == "prefix" else [image, text]
+    return torch.cat(parts, dim=dim)
+
+
+def normalize_key_padding_mask(attn_mask: torch.Tensor | None, batch: int, heads: int, length: int,
+                               where: str) -> torch.Tensor | None:
+    """Checks that ``attn_mask`` is a key padding mask and returns it as a 4-D tensor.
+
+    Args:
+        attn_mask: ``None`` or the ``attn_mask`` of an SDPA call over ``length`` local keys: boolean
+            (True = attend) or additive float, broadcastable to ``[batch, heads, Lq, length]``.
+        batch, heads, length: Shape of the call (``length`` = local query = local key length).
+        where: Processor name for error messages.
+
+    Returns:
+        ``None`` or ``[B or 1, H or 1, 1, length]`` (same dtype).
+
+    Raises:
+        SequenceParallelConfigError: the mask varies along the query dimension (a query-dependent
+            mask cannot be completed from the local shard) or does not broadcast to the call's shape.
+    """
+    if attn_mask is None:
+        return None
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if m.dim() != 4 or m.shape[-1] != length or m.shape[0] not in (1, batch) or m.shape[1] not in (1, heads):
+        raise SequenceParallelConfigError(
+            f"{where}: attention mask of shape {tuple(attn_mask.shape)} is not a key padding mask over the "
+            f"{length} local tokens (expected [B, 1 or H, 1, {length}]).")
+    if m.shape[2] != 1:
+        raise SequenceParallelConfigError(
+            f"{where}: the attention mask depends on the query position (shape [B, H, Lq, Lk] with Lq > 1). "
+            f"Under sequence parallelism each rank holds only its own keys' columns of such a mask, so it "
+            f"cannot be applied exactly; only key padding masks ([B, 1, 1, L], one value per key token) "
+            f"are supported (modes 'ulysses' and 'kv_gather' alike).")
+    return m
+
+
+def gather_key_padding_mask(mask: torch.Tensor | None, text_len: int, text_layout: str | None, sizes: list[int],
+                            group) -> torch.Tensor | None:
+    """Completes a local key padding mask to the full key sequence.
+
+    Args:
+        mask: ``None`` or ``[B or 1, H or 1, 1, text_len + sizes[rank]]``: replicated text part and
+            this rank's image part, in the family's order (see :func:`split_text_image`).
+        text_len, text_layout: The joint layout.
+        sizes: Image tokens per rank.
+        group: The sequence-parallel group.
+
+    Returns:
+        ``None`` or ``[B or 1, H or 1, 1, text_len + sum(sizes)]`` with the image part of every rank in
+        rank order (one small all-gather; booleans travel as uint8), same dtype as ``mask``.
+    """
+    if mask is None or group.world_size == 1:
+        return mask
+    text, image = split_text_image(mask, text_len, text_layout, dim=3)
+    is_bool = image.dtype == torch.bool
+    payload = image.to(torch.uint8) if is_bool else image
+    full = all_gather_along(payload.contiguous(), 3, sizes, group)
+    if is_bool:
+        full = full.bool()
+    return join_text_image(text, full, text_layout, dim=3)
 
 
 class _AttentionCallIntercept(TorchFunctionMode):
@@ -63,12 +171,14 @@ class SequenceParallelAttnProcessor:
 
     Args:
         inner: The model's own processor for this attention module (e.g. ``WanAttnProcessor``).
-        state: The model's :class:`~diffusers_sp.sharding.SequenceState` (group and current
-            sequence length), shared with the sharding hooks.
+        state: The model's :class:`~diffusers_sp.sharding.SequenceState` (group, current image
+            sequence length, and ``extra["joint_text"]``: ``None``, ``"prefix"`` or ``"suffix"``),
+            shared with the sharding hooks.
         kernel: Local attention kernel, see :func:`diffusers_sp.kernels.sdpa.local_attention`.
 
-    Subclasses implement :meth:`parallel_attention`. Tensors seen by it are ``[B, H, S_local, D]``
-    (Diffusers' SDPA layout), where ``S_local`` is this rank's shard of the sequence.
+    Subclasses implement :meth:`parallel_attention`. Tensors seen by it are ``[B, H, T + S_r, D]``
+    (Diffusers' SDPA layout): ``T`` replicated text tokens (0 without joint text) and this rank's
+    shard of ``S_r`` image tokens, in the family's order.
     """
 
     strategy = "base"
@@ -100,30 +210,41 @@ class SequenceParallelAttnProcessor:
         if enable_gqa or key.shape[1] != query.shape[1]:
             raise SequenceParallelConfigError(
                 f"{name}: grouped-query attention (fewer K/V heads than query heads) is not supported.")
-        if attn_mask is not None:
-            raise SequenceParallelConfigError(
-                f"{name}: an attention mask reached the {self.strategy} processor, but this model's plan "
-                f"declares none. Masks are supported for the model families that declare them.")
         sizes = self.state.shard_sizes()
         rank = self.state.group.rank
-        if query.shape[2] != sizes[rank] or key.shape[2] != sizes[rank]:
+        layout = self.state.extra.get("joint_text")
+        length = query.shape[2]
+        text_len = length - sizes[rank]
+        if key.shape[2] != length or text_len < 0 or (text_len > 0 and layout is None):
+            expected = (f"{sizes[rank]} image tokens" if layout is None
+                        else f"{sizes[rank]} image tokens plus the text tokens ({layout})")
             raise SequenceParallelConfigError(
-                f"{name}: expected this rank's shard of {sizes[rank]} tokens (sequence {self.state.seq_len} "
-                f"over {len(sizes)} ranks) in self-attention, got queries of {query.shape[2]} and keys of "
-                f"{key.shape[2]} tokens. The sharding plan does not match the model's forward.")
+                f"{name}: expected this rank's shard of {expected} (image sequence {self.state.seq_len} over "
+                f"{len(sizes)} ranks) in self-attention, got queries of {length} and keys of {key.shape[2]} "
+                f"tokens. The sharding plan does not match the model's forward.")
+        mask = normalize_key_padding_mask(attn_mask, query.shape[0], query.shape[1], length, name)
         self.state.group.check_device(query.device)
-        return self.parallel_attention(query, key, value, sizes, scale=scale)
+        mask = gather_key_padding_mask(mask, text_len, layout, sizes, self.state.group)
+        return self.parallel_attention(query, key, value, sizes, scale=scale, text_len=text_len,
+                                       text_layout=layout, key_mask=mask)
 
     def parallel_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           sizes: list[int], *, scale: float | None) -> torch.Tensor:
-        """Attention of this rank's queries over the full sequence.
+                           sizes: list[int], *, scale: float | None, text_len: int = 0,
+                           text_layout: str | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of this rank's queries (text and image) over the full joint sequence.
 
         Args:
-            query, key, value: ``[B, H, sizes[rank], D]`` this rank's shard.
-            sizes: Tokens held by each rank (balanced shards of the full sequence).
+            query, key, value: ``[B, H, text_len + sizes[rank], D]``: the replicated text tokens and
+                this rank's image shard, in the order given by ``text_layout``.
+            sizes: Image tokens held by each rank (balanced shards of the full image sequence).
             scale: Softmax scale, ``None`` for ``1/sqrt(D)``.
+            text_len: Text tokens T in the joint sequence (0: image tokens only).
+            text_layout: ``"prefix"``, ``"suffix"``, or ``None`` when ``text_len == 0``.
+            key_mask: ``None`` or a key padding mask ``[B or 1, H or 1, 1, text_len + sum(sizes)]``
+                over the full key sequence in the same order (bool True = attend, or additive float).
 
         Returns:
-            ``[B, H, sizes[rank], D]``: the attention output of this rank's queries.
+            ``[B, H, text_len + sizes[rank], D]``: attention output of this rank's query rows; the
+            text rows are the same on every rank.
         """
         raise NotImplementedError

@@ -1,0 +1,63 @@
+"""Flux (FLUX.1 dev / schnell) for sequence parallelism.
+
+Flux's attention is joint: the dual-stream blocks concatenate ``[text; image]`` inside
+``FluxAttnProcessor`` and the single-stream blocks receive the concatenation as one sequence, so
+the text is a *prefix* of every self-attention sequence. There is no text mask. The RoPE table is
+computed from ``cat(txt_ids, img_ids)``; splitting ``img_ids`` at the model input makes it cover
+exactly ``[text; this rank's image tokens]``.
+
+Sharding plan: derived from the model's Diffusers ``_cp_plan`` by dropping its text entries
+(``encoder_hidden_states`` and ``txt_ids``, which Diffusers shards and we keep replicated): split
+``hidden_states`` (``[B, S, C]``, dim 1) and ``img_ids`` (``[S, 3]``, dim 0) at the model input,
+gather ``proj_out``. Guidance, timestep and pooled projections stay whole.
+"""
+
+from __future__ import annotations
+
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+from ..traits import ModelTraits
+from . import FamilySpec, plan_without
+
+_TEXT_ENTRIES = {"": ("encoder_hidden_states", "txt_ids")}
+# Our plan, used when a model lacks ``_cp_plan`` (the 0.42 plan minus its text entries).
+_FLUX_PLAN = {
+    "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
+         "img_ids": ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)},
+    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+}
+
+
+def flux_model_traits(model, attribute: str) -> ModelTraits:
+    """Traits of a ``FluxTransformer2DModel`` from its config (text prefix, no text mask)."""
+    cfg = model.config
+    return ModelTraits(
+        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
+        head_dim=int(cfg.attention_head_dim), is_video=False, patch_size=(int(cfg.patch_size),) * 2,
+        joint_text="prefix", text_mask=False,
+        num_attention_layers=len(model.transformer_blocks) + len(model.single_transformer_blocks))
+
+
+def flux_sharding_plan(model) -> dict:
+    """The model's ``_cp_plan`` without its text entries (see the module docstring)."""
+    plan = getattr(model, "_cp_plan", None)
+    return plan_without(plan, _TEXT_ENTRIES) if plan else dict(_FLUX_PLAN)
+
+
+def flux_attention_modules(model) -> list:
+    """``transformer_blocks.{i}.attn`` (joint) and ``single_transformer_blocks.{i}.attn``."""
+    return ([(f"transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.transformer_blocks)]
+            + [(f"single_transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.single_transformer_blocks)])
+
+
+FLUX = FamilySpec(
+    name="flux",
+    pipeline_classes=("FluxPipeline",),
+    model_classes=("FluxTransformer2DModel",),
+    is_video=False,
+    model_traits=flux_model_traits,
+    sharding_plan=flux_sharding_plan,
+    attention_modules=flux_attention_modules,
+    joint_text="prefix",
+    text_mask=False,
+)

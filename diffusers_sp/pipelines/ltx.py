@@ -1,0 +1,60 @@
+"""LTX-Video (text-to-video) for sequence parallelism.
+
+Self-attention (``attn1``) runs over the video tokens only; the text enters through cross-attention
+(``attn2``, video queries over the text keys with the text key padding mask), which needs no
+communication and is left alone: each rank's video rows attend to the whole, replicated text.
+
+Sharding plan: derived from the model's Diffusers ``_cp_plan`` by dropping its text entries
+(``encoder_hidden_states`` and ``encoder_attention_mask``, which Diffusers shards and we keep
+replicated): split ``hidden_states`` (``[B, S, C]``, dim 1) at the model input and the RoPE tables
+``rope`` returns (``[B, S, D]``, dim 1); gather ``proj_out``.
+"""
+
+from __future__ import annotations
+
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+from ..traits import ModelTraits
+from . import FamilySpec, plan_without
+
+_TEXT_ENTRIES = {"": ("encoder_hidden_states", "encoder_attention_mask")}
+_LTX_PLAN = {
+    "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
+    "rope": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True),
+             1: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+}
+
+
+def ltx_model_traits(model, attribute: str) -> ModelTraits:
+    """Traits of an ``LTXVideoTransformer3DModel`` (text in cross-attention with a mask)."""
+    cfg = model.config
+    return ModelTraits(
+        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
+        head_dim=int(cfg.attention_head_dim), is_video=True,
+        patch_size=(int(cfg.patch_size_t), int(cfg.patch_size), int(cfg.patch_size)),
+        joint_text=None, text_mask=True, num_attention_layers=len(model.transformer_blocks))
+
+
+def ltx_sharding_plan(model) -> dict:
+    """The model's ``_cp_plan`` without its text entries (see the module docstring)."""
+    plan = getattr(model, "_cp_plan", None)
+    return plan_without(plan, _TEXT_ENTRIES) if plan else dict(_LTX_PLAN)
+
+
+def ltx_attention_modules(model) -> list:
+    """``transformer_blocks.{i}.attn1`` (video self-attention; cross-attention is left alone)."""
+    return [(f"transformer_blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.transformer_blocks)]
+
+
+LTX = FamilySpec(
+    name="ltx",
+    pipeline_classes=("LTXPipeline",),
+    model_classes=("LTXVideoTransformer3DModel",),
+    is_video=True,
+    model_traits=ltx_model_traits,
+    sharding_plan=ltx_sharding_plan,
+    attention_modules=ltx_attention_modules,
+    joint_text=None,
+    text_mask=True,
+)

@@ -1,0 +1,66 @@
+"""QwenImage (text-to-image) for sequence parallelism.
+
+Joint attention with the text first (``[text; image]``, built in
+``QwenDoubleStreamAttnProcessor2_0``) and a text key padding mask: the processor builds
+``[B, 1, 1, T + S_r]`` from ``encoder_hidden_states_mask`` and an all-True image part over this
+rank's image tokens (gathered with the keys). Batched prompts of different lengths are padded to
+the longest and masked. The RoPE tables are separate for video and text (``pos_embed`` returns
+``(vid_freqs, txt_freqs)``), so only ``vid_freqs`` is sharded.
+
+Sharding plan: derived from the model's Diffusers ``_cp_plan`` by dropping its text entries
+(``encoder_hidden_states`` at ``transformer_blocks.0``, ``encoder_hidden_states_mask`` at every
+block, output 1 = ``txt_freqs`` of ``pos_embed``): split ``hidden_states`` at the first block
+(``[B, S, C]``, dim 1), the per-image-token ``modulate_index`` at every block (``[B, S]``, dim 1,
+QwenImage-Edit-2511's zero-cond timestep), ``vid_freqs`` (``[S, D/2]`` complex, dim 0); gather
+``proj_out``.
+"""
+
+from __future__ import annotations
+
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+from ..traits import ModelTraits
+from . import FamilySpec, plan_without
+
+_TEXT_ENTRIES = {"transformer_blocks.0": ("encoder_hidden_states",),
+                 "transformer_blocks.*": ("encoder_hidden_states_mask",),
+                 "pos_embed": (1,)}
+_QWEN_PLAN = {
+    "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
+    "transformer_blocks.*": {"modulate_index": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)},
+    "pos_embed": {0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)},
+    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+}
+
+
+def qwenimage_model_traits(model, attribute: str) -> ModelTraits:
+    """Traits of a ``QwenImageTransformer2DModel`` (text prefix, text mask)."""
+    cfg = model.config
+    return ModelTraits(
+        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
+        head_dim=int(cfg.attention_head_dim), is_video=False, patch_size=(int(cfg.patch_size),) * 2,
+        joint_text="prefix", text_mask=True, num_attention_layers=len(model.transformer_blocks))
+
+
+def qwenimage_sharding_plan(model) -> dict:
+    """The model's ``_cp_plan`` without its text entries (see the module docstring)."""
+    plan = getattr(model, "_cp_plan", None)
+    return plan_without(plan, _TEXT_ENTRIES) if plan else dict(_QWEN_PLAN)
+
+
+def qwenimage_attention_modules(model) -> list:
+    """``transformer_blocks.{i}.attn`` (joint text + image attention)."""
+    return [(f"transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.transformer_blocks)]
+
+
+QWENIMAGE = FamilySpec(
+    name="qwenimage",
+    pipeline_classes=("QwenImagePipeline",),
+    model_classes=("QwenImageTransformer2DModel",),
+    is_video=False,
+    model_traits=qwenimage_model_traits,
+    sharding_plan=qwenimage_sharding_plan,
+    attention_modules=qwenimage_attention_modules,
+    joint_text="prefix",
+    text_mask=True,
+)

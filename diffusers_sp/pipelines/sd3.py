@@ -1,0 +1,59 @@
+"""Stable Diffusion 3 / 3.5 (text-to-image) for sequence parallelism.
+
+Joint attention with the text appended after the image tokens (``JointAttnProcessor2_0``
+concatenates ``[image; text]``); no text mask. SD3.5's dual-attention blocks add an image-only
+self-attention (``attn2``), which is split too (it carries no text tokens).
+
+Sharding plan (explicit; Diffusers 0.42 ships no ``_cp_plan`` for this model): split the output of
+``pos_embed`` (patch embedding plus positional embedding, ``[B, S, C]``, dim 1); gather ``proj_out``.
+Timestep and pooled projections stay whole.
+"""
+
+from __future__ import annotations
+
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+from ..traits import ModelTraits
+from . import FamilySpec
+
+_SD3_PLAN = {
+    "pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+}
+
+
+def sd3_attention_modules(model) -> list:
+    """``transformer_blocks.{i}.attn`` (joint) and, in dual-attention blocks, ``transformer_blocks.{i}.attn2``."""
+    found = []
+    for i, b in enumerate(model.transformer_blocks):
+        found.append((f"transformer_blocks.{i}.attn", b.attn))
+        if getattr(b, "attn2", None) is not None:
+            found.append((f"transformer_blocks.{i}.attn2", b.attn2))
+    return found
+
+
+def sd3_model_traits(model, attribute: str) -> ModelTraits:
+    """Traits of an ``SD3Transformer2DModel`` (text suffix, no text mask)."""
+    cfg = model.config
+    return ModelTraits(
+        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
+        head_dim=int(cfg.attention_head_dim), is_video=False, patch_size=(int(cfg.patch_size),) * 2,
+        joint_text="suffix", text_mask=False, num_attention_layers=len(sd3_attention_modules(model)))
+
+
+def sd3_sharding_plan(model) -> dict:
+    """The explicit plan of the module docstring."""
+    return dict(_SD3_PLAN)
+
+
+SD3 = FamilySpec(
+    name="sd3",
+    pipeline_classes=("StableDiffusion3Pipeline",),
+    model_classes=("SD3Transformer2DModel",),
+    is_video=False,
+    model_traits=sd3_model_traits,
+    sharding_plan=sd3_sharding_plan,
+    attention_modules=sd3_attention_modules,
+    joint_text="suffix",
+    text_mask=False,
+)

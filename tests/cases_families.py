@@ -1,0 +1,327 @@
+"""Cases run on every rank by tests/test_families.py (see tests/distributed.py).
+
+Every family's tiny transformer (built from its real config class) is compared with one process in
+both modes; image/video token counts are 35 (5 x 7), which divides neither 2 nor 3. Families with a
+text mask get a batch of two prompts of different lengths (7 and 4 valid text tokens); text lengths
+vary from 1 to 8. Functional cases check the joint-attention strategies directly (text prefix and
+suffix, boolean and additive key padding masks, per-head masks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from diffusers_sp import SequenceParallelConfigError, disable_sequence_parallel, enable_sequence_parallel
+from diffusers_sp import tiny_models as tm
+
+MODES = ("ulysses", "kv_gather")
+
+
+def compare(ref: torch.Tensor, out: torch.Tensor) -> dict:
+    """Max abs difference and the reference's scale (max abs), as floats."""
+    return {"max_abs": (out.double() - ref.double()).abs().max().item(), "scale": ref.abs().max().item(),
+            "shape_ok": tuple(out.shape) == tuple(ref.shape)}
+
+
+def _gen(seed=1):
+    return torch.Generator().manual_seed(seed)
+
+
+def _ragged_mask(lengths, total):
+    """``[B, total]`` int64 mask with the first ``lengths[b]`` tokens valid."""
+    return (torch.arange(total)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+
+def _forward_all_modes(model, kwargs, modes=MODES) -> dict:
+    with torch.no_grad():
+        ref = model(**kwargs).sample
+        results = {}
+        for mode in modes:
+            handle = enable_sequence_parallel(model, mode=mode)
+            try:
+                results[mode] = compare(ref, model(**kwargs).sample)
+                results[mode]["resolved"] = handle.mode
+                # Proof that the forward really ran split: the image length the hooks saw, the wrapped modules.
+                results[mode]["seq_len"] = handle._models[0].state.seq_len
+                results[mode]["wrapped"] = len(handle._models[0].processors)
+            finally:
+                handle.disable()
+        results["restored_bitwise"] = torch.equal(model(**kwargs).sample, ref)
+    return results
+
+
+# ------------------------------------------------------------------ functional joint attention
+
+
+def _functional(text_len, layout, mask_kind, heads=5):
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors.base import gather_key_padding_mask, split_text_image
+    from diffusers_sp.processors.kv_gather import kv_gather_attention
+    from diffusers_sp.processors.ulysses import ulysses_attention
+    from diffusers_sp.sharding import balanced_sizes, shard
+
+    group = resolve_group()
+    g = _gen(7)
+    B, S, D = 2, 35, 8
+    L = S + text_len
+    q, k, v = (torch.randn(B, heads, L, D, generator=g) for _ in range(3))
+    mask = None
+    if mask_kind is not None:
+        keep = torch.ones(B, heads if mask_kind == "per_head" else 1, 1, L, dtype=torch.bool)
+        txt = keep[..., :text_len] if layout == "prefix" else keep[..., S:]
+        txt[0, ..., max(text_len - 2, 0):] = False  # ragged text: sample 0 has 2 padding tokens
+        if mask_kind == "float":
+            mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+        else:
+            mask = keep
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    sizes = balanced_sizes(S, group.world_size)
+
+    def local(x, dim=2):
+        t, i = split_text_image(x, text_len, layout, dim=dim)
+        i = shard(i, dim, group.rank, group.world_size)
+        return torch.cat([t, i] if layout == "prefix" else [i, t], dim=dim)
+
+    lq, lk, lv = local(q), local(k), local(v)
+    lmask = None if mask is None else gather_key_padding_mask(local(mask, 3), text_len, layout, sizes, group)
+    ref_local = local(ref)
+    out = {}
+    for name, fn in (("ulysses", ulysses_attention), ("kv_gather", kv_gather_attention)):
+        res = fn(lq, lk, lv, sizes, group, text_len=text_len, text_layout=layout, key_mask=lmask)
+        out[name] = compare(ref_local, res)
+    return out
+
+
+def case_functional_prefix_bool_mask():
+    return _functional(6, "prefix", "bool")
+
+
+def case_functional_suffix_float_mask():
+    return _functional(5, "suffix", "float")
+
+
+def case_functional_suffix_per_head_mask():
+    return _functional(4, "suffix", "per_head")
+
+
+def case_functional_one_text_token_no_mask():
+    return _functional(1, "prefix", None, heads=3)
+
+
+def case_functional_no_text():
+    return _functional(0, None, None, heads=4)
+
+
+# ------------------------------------------------------------------ transformers, one per family
+
+
+def case_transformer_flux():
+    g = _gen()
+    model = tm.tiny_flux_transformer(guidance_embeds=True)
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(5.0), torch.arange(7.0), indexing="ij"),
+                      -1).reshape(-1, 3)
+    kwargs = dict(hidden_states=torch.randn(2, 35, 4, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+                  pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([0.5, 0.25]),
+                  guidance=torch.tensor([3.5, 3.5]), img_ids=ids, txt_ids=torch.zeros(7, 3))
+    return _forward_all_modes(model, kwargs)
+
+
+def case_transformer_hunyuan_video_ragged_prompts():
+    g = _gen()
+    model = tm.tiny_hunyuan_video_transformer()
+    kwargs = dict(hidden_states=torch.randn(2, 4, 1, 5, 7, generator=g),
+                  encoder_hidden_states=torch.randn(2, 7, 16, generator=g),
+                  encoder_attention_mask=_ragged_mask([7, 4], 7), pooled_projections=torch.randn(2, 8, generator=g),
+                  timestep=torch.tensor([500, 250]), guidance=torch.tensor([6000.0, 6000.0]))
+    return _forward_all_modes(model, kwargs)
+
+
+def case_transformer_qwenimage_ragged_prompts():
+    g = _gen()
+    model = tm.tiny_qwenimage_transformer()
+    kwargs = dict(hidden_states=torch.randn(2, 35, 16, generator=g), encoder_hidden_states=torch.randn(2, 8, 16, generator=g),
+                  encoder_hidden_states_mask=_ragged_mask([8, 3], 8), timestep=torch.tensor([0.5, 0.25]),
+                  img_shapes=[[(1, 5, 7)]] * 2)
+    return _forward_all_modes(model, kwargs)
+
+
+def case_transformer_cogvideox():
+    g = _gen()
+    model = tm.tiny_cogvideox_transformer()
+    kwargs = dict(hidden_states=torch.randn(2, 1, 4, 10, 14, generator=g),
+                  encoder_hidden_states=torch.randn(2, 8, 32, generator=g), timestep=torch.tensor([500, 250]))
+    return _forward_all_modes(model, kwargs)
+
+
+def case_transformer_cogvideox_rope():
+    """CogVideoX 1.5 / 5b style: RoPE tables passed by the pipeline as image_rotary_emb, split at the input."""
+    g = _gen()
+    model = tm.tiny_cogvideox_transformer(use_rotary_positional_embeddings=True)
+    rope = (torch.randn(35, 16, generator=g), torch.randn(35, 16, generator=g))
+    kwargs = dict(hidden_states=torch.randn(2, 1, 4, 10, 14, generator=g),
+                  encoder_hidden_states=torch.randn(2, 8, 32, generator=g), timestep=torch.tensor([500, 250]),
+                  image_rotary_emb=rope)
+    return _forward_all_modes(model, kwargs)
+
+
+def case_transformer_ltx_ragged_prompts():
+    g = _gen()
+    model = tm.tiny_ltx_transformer()
+    kwargs = dict(hidden_states=torch.randn(2, 35, 8, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+                  encoder_attention_mask=_ragged_mask([7, 4], 7), timestep=torch.tensor([500, 250]),
+                  num_frames=1, height=5, width=7)
+    return _forward_all_modes(model, kwargs)
+
+
+def case_transformer_mochi_ragged_prompts():
+    g = _gen()
+    model = tm.tiny_mochi_transformer()
+    kwargs = dict(hidden_states=torch.randn(2, 12, 1, 10, 14, generator=g),
+                  encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+                  encoder_attention_mask=_ragged_mask([7, 4], 7), timestep=torch.tensor([500, 250]))
+    return _forward_all_modes(model, kwargs)
+
+
+def case_transformer_sd3():
+    g = _gen()
+    model = tm.tiny_sd3_transformer()
+    kwargs = dict(hidden_states=torch.randn(2, 4, 5, 7, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+                  pooled_projections=torch.randn(2, 64, generator=g), timestep=torch.tensor([500, 250]))
+    return _forward_all_modes(model, kwargs)
+
+
+# ------------------------------------------------------------------ full pipelines, one per family
+
+#: A batch of two prompts of different lengths (10 and 2 words): ragged text masks where the family
+#: takes one, and CFG folded into the batch (HunyuanVideo/QwenImage run CFG as separate passes).
+PROMPTS = ["a cat runs on the grass under the blue sky", "a dog"]
+
+PIPELINE_CALLS = {
+    "flux": (tm.tiny_flux_pipeline, dict(height=10, width=14, max_sequence_length=8, guidance_scale=3.5)),
+    "sd3": (tm.tiny_sd3_pipeline, dict(height=5, width=7, max_sequence_length=8, guidance_scale=5.0)),
+    "hunyuan_video": (tm.tiny_hunyuan_video_pipeline,
+                      dict(height=80, width=112, num_frames=1, max_sequence_length=8, guidance_scale=6.0,
+                           prompt_template={"template": "{}", "crop_start": 0})),
+    "qwenimage": (tm.tiny_qwenimage_pipeline,
+                  dict(height=40, width=56, negative_prompt=["rain", "snow at night over the city"], true_cfg_scale=4.0)),
+    "cogvideox": (tm.tiny_cogvideox_pipeline,
+                  dict(height=80, width=112, num_frames=1, max_sequence_length=8, guidance_scale=6.0)),
+    "ltx": (tm.tiny_ltx_pipeline, dict(height=160, width=224, num_frames=1, max_sequence_length=8, guidance_scale=3.0)),
+    "mochi": (tm.tiny_mochi_pipeline, dict(height=80, width=112, num_frames=1, max_sequence_length=8, guidance_scale=4.5)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _pipe(family: str):
+    pipe = PIPELINE_CALLS[family][0]()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _pipeline_all_modes(family: str, modes=MODES) -> dict:
+    pipe = _pipe(family)
+    call = dict(PIPELINE_CALLS[family][1], prompt=PROMPTS, num_inference_steps=2, output_type="latent")
+
+    def run():
+        out = pipe(**call, generator=torch.Generator().manual_seed(0))
+        return torch.as_tensor(out.frames if hasattr(out, "frames") else out.images)
+
+    ref = run()
+    results = {}
+    for mode in modes:
+        handle = enable_sequence_parallel(pipe, mode=mode)
+        try:
+            results[mode] = compare(ref, run())
+            results[mode]["seq_len"] = handle._models[0].state.seq_len
+        finally:
+            disable_sequence_parallel(pipe)
+    return results
+
+
+def case_pipeline_flux():
+    return _pipeline_all_modes("flux")
+
+
+def case_pipeline_sd3():
+    return _pipeline_all_modes("sd3")
+
+
+def case_pipeline_hunyuan_video():
+    return _pipeline_all_modes("hunyuan_video")
+
+
+def case_pipeline_qwenimage():
+    return _pipeline_all_modes("qwenimage")
+
+
+def case_pipeline_cogvideox():
+    return _pipeline_all_modes("cogvideox")
+
+
+def case_pipeline_ltx():
+    return _pipeline_all_modes("ltx")
+
+
+def case_pipeline_mochi():
+    return _pipeline_all_modes("mochi")
+
+
+# ------------------------------------------------------------------ errors and mode choice
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except SequenceParallelConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def case_error_query_dependent_mask():
+    """A [B, 1, Lq, Lk] mask reaching a wrapped processor raises on every rank, in both modes."""
+    g = _gen()
+    model = tm.tiny_flux_transformer()
+    ids = torch.zeros(35, 3)
+    out = {}
+    for mode in MODES:
+        handle = enable_sequence_parallel(model, mode=mode)
+        try:
+            def call():
+                # Local joint length on this rank: 7 text tokens + this rank's image shard.
+                L = 7 + handle._models[0].state.shard_sizes()[handle.rank]
+                mask = torch.ones(2, 1, L, L, dtype=torch.bool)
+                with torch.no_grad():
+                    model(hidden_states=torch.randn(2, 35, 4, generator=g), encoder_hidden_states=torch.randn(2, 7, 32),
+                          pooled_projections=torch.randn(2, 32), timestep=torch.tensor([0.5, 0.5]), img_ids=ids,
+                          txt_ids=torch.zeros(7, 3), joint_attention_kwargs={"attention_mask": mask})
+            handle._models[0].state.seq_len = 35  # shard sizes are known before the first forward here
+            out[mode] = _error_of(call)
+        finally:
+            handle.disable()
+    return out
+
+
+def case_error_hunyuan_token_replace():
+    model = tm.tiny_hunyuan_video_transformer(image_condition_type="token_replace", in_channels=4)
+    return _error_of(lambda: enable_sequence_parallel(model, mode="kv_gather"))
+
+
+def case_error_ulysses_fewer_heads_than_ranks():
+    """CogVideoX with 1 head: Ulysses raises recommending kv_gather; auto picks kv_gather, which runs exactly."""
+    g = _gen()
+    model = tm.tiny_cogvideox_transformer(num_attention_heads=1, attention_head_dim=16)
+    msg = _error_of(lambda: enable_sequence_parallel(model, mode="ulysses"))
+    kwargs = dict(hidden_states=torch.randn(2, 1, 4, 10, 14, generator=g),
+                  encoder_hidden_states=torch.randn(2, 8, 32, generator=g), timestep=torch.tensor([500, 250]))
+    with torch.no_grad():
+        ref = model(**kwargs).sample
+        handle = enable_sequence_parallel(model, mode="auto")
+        try:
+            auto = compare(ref, model(**kwargs).sample)
+            auto["resolved"] = handle.mode
+        finally:
+            handle.disable()
+    return {"ulysses_error": msg, "auto": auto}

@@ -1,0 +1,87 @@
+"""Every supported family under sequence parallelism equals one process (float32, CPU/gloo, P = 2, 3).
+
+Each world size spawns its processes once and runs every case of tests/cases_families.py inside
+them: the joint-attention strategies on raw tensors, each family's tiny transformer (ragged text
+masks where the family takes one), one full pipeline call per family (2 steps, a batch of two
+prompts of different lengths), and the errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_cases, values
+
+WORLD_SIZES = (2, 3)
+MODES = ("ulysses", "kv_gather")
+TOL = 1e-5  # max abs diff relative to the output's scale (DESIGN.md, Testing)
+TOKENS = 35  # image/video tokens of every case: divides neither 2 nor 3
+
+FAMILIES = ("flux", "sd3", "hunyuan_video", "qwenimage", "cogvideox", "ltx", "mochi")
+TRANSFORMER_CASES = ("flux", "hunyuan_video_ragged_prompts", "qwenimage_ragged_prompts", "cogvideox",
+                     "cogvideox_rope", "ltx_ragged_prompts", "mochi_ragged_prompts", "sd3")
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda p: f"P{p}")
+def results(request):
+    return request.param, run_cases("cases_families", request.param)
+
+
+def _assert_close(metrics: dict, what: str):
+    assert metrics["shape_ok"], what
+    assert metrics["max_abs"] <= TOL * max(metrics["scale"], 1.0), f"{what}: {metrics}"
+
+
+@pytest.mark.parametrize("case", ["prefix_bool_mask", "suffix_float_mask", "suffix_per_head_mask",
+                                  "one_text_token_no_mask", "no_text"])
+def test_joint_attention_strategies_exact(results, case):
+    P, res = results
+    for rank, v in enumerate(values(res, f"functional_{case}")):
+        for mode in MODES:
+            _assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
+
+
+@pytest.mark.parametrize("case", TRANSFORMER_CASES)
+def test_transformer_forward_equals_one_process(results, case):
+    P, res = results
+    for rank, v in enumerate(values(res, f"transformer_{case}")):
+        for mode in MODES:
+            _assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
+            assert v[mode]["resolved"] == mode
+            assert v[mode]["seq_len"] == TOKENS, "the forward did not run split"
+            assert v[mode]["wrapped"] >= 2
+        assert v["restored_bitwise"], f"P={P} rank {rank}: disable did not restore the outputs bit for bit"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipeline_equals_one_process(results, family):
+    P, res = results
+    for rank, v in enumerate(values(res, f"pipeline_{family}")):
+        for mode in MODES:
+            _assert_close(v[mode], f"P={P} rank {rank} {family} pipeline {mode}")
+            assert v[mode]["seq_len"] == TOKENS
+
+
+def test_query_dependent_mask_raises_on_every_rank(results):
+    P, res = results
+    msgs = values(res, "error_query_dependent_mask")
+    for mode in MODES:
+        per_rank = {m[mode] for m in msgs}
+        assert len(per_rank) == 1, per_rank
+        msg = per_rank.pop()
+        assert "depends on the query position" in msg and "key padding" in msg, msg
+
+
+def test_token_replace_rejected(results):
+    P, res = results
+    msgs = values(res, "error_hunyuan_token_replace")
+    assert len(set(msgs)) == 1
+    assert "token_replace" in msgs[0] and "HunyuanVideoPipeline" in msgs[0]
+
+
+def test_fewer_heads_than_ranks(results):
+    P, res = results
+    for v in values(res, "error_ulysses_fewer_heads_than_ranks"):
+        assert "kv_gather" in v["ulysses_error"] and "1 heads" in v["ulysses_error"]
+        assert v["auto"]["resolved"] == "kv_gather"
+        _assert_close(v["auto"], f"P={P} auto with 1 head")
