@@ -138,9 +138,15 @@ class _AttentionCallIntercept(TorchFunctionMode):
         self.handler = handler
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is _SDPA:
-            return self.handler(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+            return self.handler(*args, **kwargs)
+        if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, func.__name__, None) is func:
+            # A Tensor method: call it on the tensor. Calling `func` itself would run Python wrappers
+            # such as Tensor.unflatten, whose `super()` call torch.compile cannot trace (a graph break
+            # per call). The mode is off inside its own handler, so this does not recurse.
+            return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+        return func(*args, **kwargs)
 
 
 def _specialize(cls, inner_cls):

@@ -1,0 +1,175 @@
+"""Benchmark of the VSA kernel (diffusers_sp.kernels.vsa) against dense attention on one GPU.
+
+Shape: the self-attention of Wan2.1-1.3B at 480x832, 81 frames: latent grid (T, H, W) =
+(21, 30, 52) = 32760 tokens, 12 heads, head dim 128, batch 1, bfloat16. VSA tiles are (4, 4, 4).
+
+Times (median of CUDA-event timings after warm-up):
+  * dense ``F.scaled_dot_product_attention`` with the cuDNN and with the flash backend;
+  * VSA (backend "flex") at the given sparsity with a zero gate and with a random gate, both
+    end to end (tiling q, k, v (and gate), VSA, untiling the output) and on pre-tiled tensors;
+  * the fine stage alone (flex_attention with a prebuilt BlockMask), to separate the sparse kernel
+    from the coarse stage, top-k and BlockMask construction.
+Checks VSA at sparsity 0 with a zero gate against dense attention (relative Frobenius error
+<= 1e-2 in bf16; the script exits 1 otherwise).
+
+    python benchmarks/bench_vsa_kernel.py --json out.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from diffusers_sp.kernels import vsa  # noqa: E402
+from diffusers_sp.kernels.vsa import (  # noqa: E402
+    make_tile_layout, tile_tokens, untile_tokens, video_sparse_attention, vsa_topk)
+
+FULL_GRID = (21, 30, 52)
+QUICK_GRID = (9, 16, 24)
+TILE = (4, 4, 4)
+HEADS, HEAD_DIM, BATCH = 12, 128, 1
+ACCURACY_LIMIT = 1e-2
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    """Median wall time of ``fn`` on the GPU in milliseconds, one CUDA-event pair per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--quick", action="store_true", help=f"small grid {QUICK_GRID} instead of {FULL_GRID}")
+    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_vsa_kernel.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    grid = QUICK_GRID if args.quick else FULL_GRID
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    layout = make_tile_layout(grid, TILE, device=device)
+    seq = layout.num_tokens
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, gate = (torch.randn(BATCH, HEADS, seq, HEAD_DIM, device=device, dtype=dtype, generator=gen)
+                     for _ in range(4))
+    qt, kt, vt, gate_t = (tile_tokens(x, layout, dim=2) for x in (q, k, v, gate))
+    block_sizes = layout.block_sizes
+    topk = vsa_topk(layout.num_tiles, args.sparsity)
+    timing = dict(warmup=args.warmup, iters=args.iters)
+
+    def dense(backend):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    def vsa_tiled(query, key, value, gate_tiled, sparsity):
+        return video_sparse_attention(query, key, value, q_block_sizes=block_sizes, kv_block_sizes=block_sizes,
+                                      sparsity=sparsity, gate=gate_tiled, backend="flex")
+
+    def vsa_end_to_end(with_gate):
+        tiled = [tile_tokens(x, layout, dim=2) for x in (q, k, v)]
+        gate_tiled = tile_tokens(gate, layout, dim=2) if with_gate else None
+        return untile_tokens(vsa_tiled(*tiled, gate_tiled, args.sparsity), layout, dim=2)
+
+    # The fine stage alone: the selection and BlockMask are built once, outside the timing.
+    scores = vsa._tile_means(qt, block_sizes) @ vsa._tile_means(kt, block_sizes).transpose(-1, -2)
+    block_mask = vsa._selection_block_mask(scores.topk(topk, dim=-1).indices, block_sizes, layout.tile_volume)
+    flat = [x.flatten(2, 3) for x in (qt, kt, vt)]
+    kernel_options = vsa._flex_kernel_options(layout.tile_volume, HEAD_DIM, qt.element_size())
+
+    def fine_stage_only():
+        return vsa._compiled_flex_attention()(*flat, block_mask=block_mask, kernel_options=kernel_options)
+
+    cases = {
+        "dense_sdpa_cudnn": lambda: dense(SDPBackend.CUDNN_ATTENTION),
+        "dense_sdpa_flash": lambda: dense(SDPBackend.FLASH_ATTENTION),
+        "vsa_zero_gate_end_to_end": lambda: vsa_end_to_end(with_gate=False),
+        "vsa_random_gate_end_to_end": lambda: vsa_end_to_end(with_gate=True),
+        "vsa_zero_gate_kernel": lambda: vsa_tiled(qt, kt, vt, None, args.sparsity),
+        "vsa_random_gate_kernel": lambda: vsa_tiled(qt, kt, vt, gate_t, args.sparsity),
+        "vsa_fine_stage_only": fine_stage_only,
+    }
+    results = {}
+    for name, fn in cases.items():
+        try:
+            results[name] = {"ms": time_ms(fn, **timing)}
+        except RuntimeError as err:  # e.g. an SDPA backend that does not take these inputs
+            results[name] = {"ms": None, "error": str(err).splitlines()[0]}
+
+    dense_flops = 4 * BATCH * HEADS * seq * seq * HEAD_DIM
+    sparse_flops = 4 * BATCH * HEADS * (layout.num_tiles * layout.tile_volume) * (topk * layout.tile_volume) * HEAD_DIM
+    best_dense = min((r["ms"] for n, r in results.items() if n.startswith("dense") and r["ms"]), default=None)
+    for name, r in results.items():
+        if r["ms"] is None:
+            continue
+        flops = dense_flops if name.startswith("dense") else sparse_flops
+        r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
+        if best_dense is not None:
+            r["speedup_vs_best_dense"] = best_dense / r["ms"]
+
+    # Accuracy: VSA with sparsity 0 and a zero gate is dense attention.
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        dense_out = F.scaled_dot_product_attention(q, k, v)
+    vsa_dense_out = untile_tokens(vsa_tiled(qt, kt, vt, None, 0.0), layout, dim=2)
+    error = relative_error(vsa_dense_out, dense_out)
+    accuracy_ok = error <= ACCURACY_LIMIT
+
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": {"grid": grid, "tile": TILE, "tokens": seq, "tiles": layout.num_tiles, "batch": BATCH,
+                  "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(dtype)},
+        "sparsity": args.sparsity,
+        "topk_tiles": topk,
+        "timing": timing | {"statistic": "median", "clock": "cuda events"},
+        "tflops_note": "dense: 4*B*H*S^2*D; vsa: fine-stage FLOPs 4*B*H*(N*V)*(topk*V)*D",
+        "results": results,
+        "accuracy": {"check": "vsa(sparsity=0, gate=None) vs dense SDPA, relative Frobenius error",
+                     "relative_error": error, "limit": ACCURACY_LIMIT, "ok": accuracy_ok},
+    }
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+
+    print(f"{report['device']}, torch {report['torch']}: grid {grid} = {seq} tokens, {layout.num_tiles} tiles of "
+          f"{layout.tile_volume}, B={BATCH} H={HEADS} D={HEAD_DIM} bf16; sparsity {args.sparsity} -> top-{topk}")
+    print(f"{'case':30s} {'ms':>9s} {'TFLOP/s':>9s} {'speedup':>8s}")
+    for name, r in results.items():
+        if r["ms"] is None:
+            print(f"{name:30s} {'failed':>9s}  {r['error']}")
+            continue
+        speedup = r.get("speedup_vs_best_dense")
+        print(f"{name:30s} {r['ms']:9.3f} {r['tflops']:9.1f} {speedup:8.2f}" if speedup else
+              f"{name:30s} {r['ms']:9.3f} {r['tflops']:9.1f}")
+    print(f"accuracy: sparsity 0 vs dense relative error {error:.2e} (limit {ACCURACY_LIMIT:g}): "
+          f"{'ok' if accuracy_ok else 'FAILED'}")
+    print(f"wrote {args.json}")
+    return 0 if accuracy_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
