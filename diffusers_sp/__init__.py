@@ -1,10 +1,10 @@
-"""diffusers-sp: sequence-parallel attention (Ulysses, K/V-gather) for Hugging Face Diffusers DiTs.
+"""diffusers-sp: sequence-parallel attention (Ulysses, K/V-gather, VSA) for Hugging Face Diffusers DiTs.
 
 Public API only; see README.md.
 """
 
 from .api import SequenceParallelHandle, disable_sequence_parallel, enable_sequence_parallel
-from .processors import KVGatherAttnProcessor, UlyssesAttnProcessor
+from .processors import KVGatherAttnProcessor, UlyssesAttnProcessor, VideoSparseAttnProcessor
 from .traits import ModelTraits, PipelineTraits
 from .validation import SequenceParallelConfigError
 
@@ -17,6 +17,7 @@ __all__ = [
     "SequenceParallelConfigError",
     "UlyssesAttnProcessor",
     "KVGatherAttnProcessor",
+    "VideoSparseAttnProcessor",
     "ModelTraits",
     "PipelineTraits",
 ]

@@ -47,6 +47,27 @@ def shard(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor
     return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
 
 
+@dataclass(frozen=True)
+class TokenOrder:
+    """A reordering of the sequence applied before it is sharded, and undone when it is gathered.
+
+    Used by video sparse attention: tokens are put in tile order so that every rank owns whole
+    tiles (see :mod:`diffusers_sp.processors.vsa`). Everything a transformer does outside attention
+    is per token (norms, MLPs, modulation, RoPE with its tables reordered alike), so running the
+    blocks on a reordered sequence is exact.
+
+    Attributes:
+        perm: ``LongTensor [S]``: ``perm[i]`` is the original (raster) index of the i-th token in the
+            new order.
+        inverse: ``LongTensor [S]``: the inverse permutation.
+        sizes: Tokens held by each rank, in the new order (``sum(sizes) == S``).
+    """
+
+    perm: torch.Tensor
+    inverse: torch.Tensor
+    sizes: tuple[int, ...]
+
+
 @dataclass
 class SequenceState:
     """Per-model state shared by the sharding hooks and the attention processors.
@@ -56,14 +77,19 @@ class SequenceState:
         seq_len: Full (unsplit) length S of the sequence split in the current forward, set by the
             split hooks; ``None`` before the first split.
         extra: Family-specific per-forward values (for example the text length of joint attention).
+        order: ``None`` (shards of the sequence as it is) or a :class:`TokenOrder` for the current
+            forward, set by a hook of the mode that needs it (VSA).
     """
 
     group: SPGroup
     seq_len: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    order: TokenOrder | None = None
 
     def shard_sizes(self) -> list[int]:
         """Tokens held by each rank for the current forward."""
+        if self.order is not None:
+            return list(self.order.sizes)
         if self.seq_len is None:
             raise SequenceParallelConfigError(
                 "sequence-parallel attention ran before any sequence tensor was split: the model's "
@@ -97,11 +123,24 @@ class SequenceSplitHook(ModelHook):
                 f"ranks or a larger latent (height, width or frames)."
             )
         self.state.seq_len = length
-        return shard(x, spec.split_dim, group.rank, group.world_size)
+        order = self.state.order
+        if order is None:
+            return shard(x, spec.split_dim, group.rank, group.world_size)
+        if order.perm.numel() != length:
+            raise SequenceParallelConfigError(
+                f"a sequence of {length} tokens reached a split planned for {order.perm.numel()} tokens "
+                f"(the latent grid read at the model input does not match the token sequence).")
+        offset = sum(order.sizes[:group.rank])
+        mine = order.perm[offset:offset + order.sizes[group.rank]].to(x.device)
+        return x.index_select(spec.split_dim, mine)
+
+    def initialize_hook(self, module):
+        # Read the forward's parameter names once, here: inspect.signature inside a forward that
+        # torch.compile traces would break the graph.
+        self._params = _forward_parameters(module)
+        return module
 
     def pre_forward(self, module, *args, **kwargs):
-        if self._params is None:
-            self._params = _forward_parameters(module)
         args = list(args)
         for name, spec in self.entries.items():
             if not isinstance(name, str) or getattr(spec, "split_output", False):
@@ -145,7 +184,10 @@ class SequenceGatherHook(ModelHook):
         for i, spec in enumerate(self.specs):
             if spec is None or (spec.expected_dims is not None and items[i].ndim != spec.expected_dims):
                 continue
-            items[i] = all_gather_along(items[i], spec.gather_dim, self.state.shard_sizes(), self.state.group)
+            full = all_gather_along(items[i], spec.gather_dim, self.state.shard_sizes(), self.state.group)
+            if self.state.order is not None:
+                full = full.index_select(spec.gather_dim % full.ndim, self.state.order.inverse.to(full.device))
+            items[i] = full
         return items[0] if single else type(output)(items)
 
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from .traits import PipelineTraits
 
-#: Modes a user may ask for. "vsa" is reserved until video sparse attention lands.
+#: Modes a user may ask for.
 KNOWN_MODES = ("auto", "ulysses", "kv_gather", "vsa")
-#: Modes that run in this release.
-IMPLEMENTED_MODES = ("ulysses", "kv_gather")
+#: Sequence-parallel communication modes under VSA (``vsa_sp_mode``).
+VSA_SP_MODES = ("auto", "ulysses", "kv_gather")
 
 
 class SequenceParallelConfigError(ValueError):
@@ -70,21 +70,18 @@ def validate_mode(mode: str, traits: "PipelineTraits", world_size: int) -> str:
         The resolved mode, ``"ulysses"`` or ``"kv_gather"``.
 
     Raises:
-        SequenceParallelConfigError: unknown mode; ``"vsa"`` (not available yet); Ulysses with
-            fewer heads than ranks. Explicit modes are never downgraded.
+        SequenceParallelConfigError: unknown mode; Ulysses with fewer heads than ranks. Explicit
+            modes are never downgraded. (``"vsa"`` is checked further by :func:`validate_vsa`.)
     """
     if not isinstance(mode, str) or mode not in KNOWN_MODES:
         raise SequenceParallelConfigError(
             f"{traits.name}: unknown sequence-parallel mode {mode!r}. "
-            f"Choose one of {', '.join(repr(m) for m in KNOWN_MODES if m != 'vsa')}."
+            f"Choose one of {', '.join(repr(m) for m in KNOWN_MODES)}."
         )
     if world_size < 1:
         raise SequenceParallelConfigError(f"{traits.name}: world size must be >= 1, got {world_size}.")
     if mode == "vsa":
-        raise SequenceParallelConfigError(
-            f"{traits.name}: mode 'vsa' (video sparse attention) is not available in this version of "
-            f"diffusers-sp. Modes that would work: 'ulysses', 'kv_gather', 'auto'."
-        )
+        return "vsa"
     if mode == "auto":
         return choose_auto_mode(traits, world_size)
     if mode == "ulysses":
@@ -97,3 +94,62 @@ def validate_mode(mode: str, traits: "PipelineTraits", world_size: int) -> str:
                     f"on heads) or mode='auto', or run on at most {model.num_heads} ranks."
                 )
     return mode
+
+
+def validate_vsa(traits: "PipelineTraits", world_size: int, *, sparsity, tile_size, sp_mode: str,
+                 has_latent_grid: bool) -> tuple[float, tuple[int, int, int], str]:
+    """Validates the options of ``mode="vsa"`` and resolves its communication mode.
+
+    Args:
+        traits: The pipeline's traits.
+        world_size: Ranks in the sequence-parallel group.
+        sparsity: ``vsa_sparsity``, fraction of key tiles skipped, in ``[0, 1)``.
+        tile_size: ``vsa_tile_size``, three positive ints (frames, height, width in latent patches).
+        sp_mode: ``vsa_sp_mode``: ``"auto"``, ``"ulysses"`` or ``"kv_gather"``.
+        has_latent_grid: Whether the family can read the latent grid of a forward call.
+
+    Returns:
+        ``(sparsity, tile_size, resolved sp_mode)``.
+
+    Raises:
+        SequenceParallelConfigError: an image pipeline; a family whose latent grid cannot be read;
+            text tokens inside self-attention (joint attention); a bad sparsity, tile size or
+            ``vsa_sp_mode``; Ulysses underneath with fewer heads than ranks.
+    """
+    dense = "Modes that would work: 'ulysses', 'kv_gather', 'auto' (dense attention)."
+    if not traits.is_video:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: mode 'vsa' (video sparse attention) needs a video pipeline; this is an image "
+            f"pipeline. {dense}")
+    joint = [m.name for m in traits.models if m.joint_text]
+    if joint:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: mode 'vsa' is not supported with text tokens inside self-attention (joint "
+            f"attention in {joint[0]}); VSA tiles only video tokens. {dense}")
+    if not has_latent_grid:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: mode 'vsa' needs the latent grid (frames, height, width) of each forward, which "
+            f"diffusers-sp cannot read for this family yet (VSA runs on the Wan family). {dense}")
+    try:
+        sparsity = float(sparsity)
+    except (TypeError, ValueError):
+        sparsity = float("nan")
+    if not 0.0 <= sparsity < 1.0:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: vsa_sparsity must be in [0, 1) (the fraction of key tiles skipped), got {sparsity}.")
+    try:
+        tile = tuple(int(t) for t in tile_size)
+    except (TypeError, ValueError):
+        tile = ()
+    if len(tile) != 3 or min(tile) < 1 or tuple(tile_size) != tile:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: vsa_tile_size must be three positive ints (frames, height, width in latent "
+            f"patches, e.g. (4, 4, 4)), got {tile_size!r}.")
+    if sp_mode not in VSA_SP_MODES:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: vsa_sp_mode must be one of {VSA_SP_MODES}, got {sp_mode!r}.")
+    if sp_mode == "auto":
+        sp_mode = choose_auto_mode(traits, world_size)
+    elif sp_mode == "ulysses":
+        validate_mode("ulysses", traits, world_size)
+    return sparsity, tile, sp_mode

@@ -149,8 +149,8 @@ def case_error_unknown_mode():
     return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="ring"))
 
 
-def case_error_vsa_not_available():
-    return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="vsa"))
+def case_error_vsa_bad_sparsity():
+    return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="vsa", vsa_sparsity=1.5))
 
 
 def case_error_unknown_option():

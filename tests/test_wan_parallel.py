@@ -61,7 +61,7 @@ def test_random_draws_agree_across_ranks(results):
 @pytest.mark.parametrize("case,needles", [
     ("error_ulysses_too_few_heads", ["WanTransformer3DModel", "1 heads", "kv_gather"]),
     ("error_unknown_mode", ["'ring'", "'ulysses'", "'kv_gather'"]),
-    ("error_vsa_not_available", ["'vsa'", "'ulysses'", "'kv_gather'"]),
+    ("error_vsa_bad_sparsity", ["vsa_sparsity", "[0, 1)", "1.5"]),
     ("error_unknown_option", ["sparsity", "attention_kernel"]),
     ("error_already_enabled", ["already enabled", "disable_sequence_parallel"]),
     ("error_unsupported_model", ["AutoencoderKLWan", "WanPipeline", "WanTransformer3DModel"]),

@@ -34,6 +34,8 @@ class FamilySpec:
             the per-model value is :attr:`ModelTraits.joint_text`).
         text_mask: Whether the family applies a text key padding mask (ragged prompts).
         modes: Sequence-parallel modes that run exactly for the family (README table, tests).
+        latent_grid: ``(model, args, kwargs) -> (T, H, W)``: the patchified latent grid of a forward
+            call, in patches (video families; needed by VSA). ``None``: the grid cannot be read.
     """
 
     name: str
@@ -47,6 +49,7 @@ class FamilySpec:
     joint_text: str | None = None
     text_mask: bool = False
     modes: tuple[str, ...] = ("ulysses", "kv_gather")
+    latent_grid: Callable | None = None
 
 
 def plan_without(plan: dict, drop: dict) -> dict:

@@ -38,6 +38,15 @@ def wan_sharding_plan(model) -> dict:
     return dict(getattr(model, "_cp_plan", None) or _WAN_PLAN)
 
 
+def wan_latent_grid(model, args, kwargs) -> tuple[int, int, int]:
+    """Patchified latent grid ``(frames, height, width)`` of a forward call: ``hidden_states``
+    ``[B, C, F, H, W]`` divided by the config's ``patch_size`` ``(p_t, p_h, p_w)``."""
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    p_t, p_h, p_w = model.config.patch_size
+    _, _, frames, height, width = hidden.shape
+    return frames // p_t, height // p_h, width // p_w
+
+
 def wan_attention_modules(model) -> list:
     """``blocks.{i}.attn1`` (video self-attention) of every block."""
     return [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(model.blocks)]
@@ -52,4 +61,6 @@ WAN = FamilySpec(
     sharding_plan=wan_sharding_plan,
     attention_modules=wan_attention_modules,
     transformer_attributes=("transformer", "transformer_2"),
+    modes=("ulysses", "kv_gather", "vsa"),
+    latent_grid=wan_latent_grid,
 )

@@ -3,7 +3,9 @@
 from .base import SequenceParallelAttnProcessor
 from .kv_gather import KVGatherAttnProcessor
 from .ulysses import UlyssesAttnProcessor
+from .vsa import VideoSparseAttnProcessor
 
-PROCESSORS = {"ulysses": UlyssesAttnProcessor, "kv_gather": KVGatherAttnProcessor}
+PROCESSORS = {"ulysses": UlyssesAttnProcessor, "kv_gather": KVGatherAttnProcessor, "vsa": VideoSparseAttnProcessor}
 
-__all__ = ["SequenceParallelAttnProcessor", "UlyssesAttnProcessor", "KVGatherAttnProcessor", "PROCESSORS"]
+__all__ = ["SequenceParallelAttnProcessor", "UlyssesAttnProcessor", "KVGatherAttnProcessor", "VideoSparseAttnProcessor",
+           "PROCESSORS"]

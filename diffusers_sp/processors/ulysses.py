@@ -24,6 +24,67 @@ from ..sharding import balanced_sizes
 from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
 
 
+def scatter_heads(tensors: list[torch.Tensor], sizes: list[int], group) -> list[torch.Tensor]:
+    """Ulysses' first all-to-all: from token shards of all heads to all tokens of this rank's heads.
+
+    Args:
+        tensors: n tensors ``[B, H, S_r, D]`` (this rank's token shard, ``S_r = sizes[rank]``), same
+            shape and dtype; sent together in one all-to-all.
+        sizes: Tokens per rank, ``sum(sizes) = S``.
+        group: :class:`~diffusers_sp.groups.SPGroup` of P ranks; heads are split balanced
+            (the first ``H mod P`` ranks one head more).
+
+    Returns:
+        n tensors ``[B, h_r, S, D]`` (strided views): this rank's heads over the full sequence.
+    """
+    n = len(tensors)
+    B, H, S_r, D = tensors[0].shape
+    heads = balanced_sizes(H, group.world_size)
+    h_r = heads[group.rank]
+    # [H, n, B, S_r, D]: heads outermost, so the chunk for rank j is contiguous (one copy).
+    send = torch.stack([t.permute(1, 0, 2, 3) for t in tensors], dim=1)
+    unit = n * B * D
+    recv_sizes = [h_r * unit * s for s in sizes]
+    recv = all_to_all_flat(send.reshape(-1), [h * unit * S_r for h in heads], recv_sizes, group)
+    # Chunk from rank i is [h_r, n, B, S_i, D]; concatenating along the tokens gives [h_r, n, B, S, D].
+    full = torch.cat([c.view(h_r, n, B, s, D) for c, s in zip(recv.split(recv_sizes), sizes)], dim=3)
+    return [full[:, i].permute(1, 0, 2, 3) for i in range(n)]
+
+
+def gather_heads(out: torch.Tensor, sizes: list[int], group, *, num_heads: int,
+                 text: torch.Tensor | None = None) -> torch.Tensor:
+    """Ulysses' second all-to-all: from all tokens of this rank's heads back to token shards of all heads.
+
+    Args:
+        out: ``[B, h_r, S, D]``, this rank's heads over the full (image) sequence.
+        sizes: Tokens per rank.
+        group: The sequence-parallel group (same head split as :func:`scatter_heads`).
+        num_heads: H, the total head count.
+        text: ``None`` or ``[B, h_r, T, D]``: replicated rows (joint-attention text) that every rank
+            needs for all heads; they travel in the same all-to-all.
+
+    Returns:
+        ``[S_r + T, B, H, D]``: this rank's token rows followed by the T text rows, all heads.
+    """
+    B, h_r, _, D = out.shape
+    heads = balanced_sizes(num_heads, group.world_size)
+    T = 0 if text is None else text.shape[2]
+    S_r = sizes[group.rank]
+    send_img = out.permute(2, 0, 1, 3)  # [S, B, h_r, D]: the rows owned by rank i are contiguous
+    if T:
+        send_txt = text.permute(2, 0, 1, 3)
+        pieces = []
+        for rows in send_img.split(sizes):
+            pieces += [rows, send_txt]
+        send = torch.cat(pieces)
+    else:
+        send = send_img.contiguous()
+    rows = S_r + T
+    recv_sizes = [rows * B * h * D for h in heads]
+    recv = all_to_all_flat(send.reshape(-1), [(s + T) * B * h_r * D for s in sizes], recv_sizes, group)
+    return torch.cat([c.view(rows, B, h, D) for c, h in zip(recv.split(recv_sizes), heads)], dim=2)
+
+
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sizes: list[int], group, *,
                       scale: float | None = None, kernel: str = "auto", text_len: int = 0,
                       text_layout: str | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,47 +108,27 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         ``[B, H, T + S_r, D]``: this rank's rows of softmax(Q Kᵀ·scale + mask) V over all T + S keys;
         the text rows are identical on every rank.
 
-    Communication per rank: the image part of Q, K, V in one all-to-all; the output (this rank's
-    heads of every rank's image rows, plus its heads of the T text rows for every rank) in a second.
+    Communication per rank: the image part of Q, K, V in one all-to-all (:func:`scatter_heads`); the
+    output (this rank's heads of every rank's image rows, plus its heads of the T text rows for every
+    rank) in a second (:func:`gather_heads`).
     """
     P, r = group.world_size, group.rank
-    B, H, L, D = query.shape
+    H = query.shape[1]
     if P == 1:
         return local_attention(query, key, value, attn_mask=key_mask, scale=scale, kernel=kernel)
     T, S_r = text_len, sizes[r]
     heads = balanced_sizes(H, P)
     h_r, h0 = heads[r], sum(heads[:r])
     parts = [split_text_image(t, T, text_layout) for t in (query, key, value)]
-    # [H, 3, B, S_r, D]: heads outermost, so the chunk for rank j is contiguous (one copy).
-    send = torch.stack([img.permute(1, 0, 2, 3) for _, img in parts], dim=1)
-    unit = 3 * B * D
-    recv = all_to_all_flat(send.reshape(-1), [h * unit * S_r for h in heads], [h_r * unit * s for s in sizes], group)
-    # Chunk from rank i is [h_r, 3, B, S_i, D]; concatenating along the tokens gives [h_r, 3, B, S, D].
-    chunks = [c.view(h_r, 3, B, s, D) for c, s in zip(recv.split([h_r * unit * s for s in sizes]), sizes)]
-    full = torch.cat(chunks, dim=3)
-    q, k, v = (join_text_image(txt[:, h0:h0 + h_r], full[:, i].permute(1, 0, 2, 3), text_layout)
-               for i, (txt, _) in enumerate(parts))
+    full = scatter_heads([img for _, img in parts], sizes, group)
+    q, k, v = (join_text_image(txt[:, h0:h0 + h_r], img, text_layout) for (txt, _), img in zip(parts, full))
     mask = key_mask
     if mask is not None and mask.shape[1] > 1:
         mask = mask[:, h0:h0 + h_r]
     out = local_attention(q, k, v, attn_mask=mask, scale=scale, kernel=kernel)  # [B, h_r, T + S, D]
     out_txt, out_img = split_text_image(out, T, text_layout)
-    # Back: [tokens, B, h_r, D]; rank i gets its image rows followed by the text rows.
-    send_img = out_img.permute(2, 0, 1, 3)
-    if T:
-        send_txt = out_txt.permute(2, 0, 1, 3)
-        pieces = []
-        for rows in send_img.split(sizes):
-            pieces += [rows, send_txt]
-        send_o = torch.cat(pieces)
-    else:
-        send_o = send_img.contiguous()
-    rows = S_r + T
-    recv_o = all_to_all_flat(send_o.reshape(-1), [(s + T) * B * h_r * D for s in sizes],
-                             [rows * B * h * D for h in heads], group)
-    got = [c.view(rows, B, h, D) for c, h in zip(recv_o.split([rows * B * h * D for h in heads]), heads)]
-    joined = torch.cat(got, dim=2)  # [S_r + T, B, H, D]: image rows, then text rows
-    result = join_text_image(joined[S_r:], joined[:S_r], text_layout, dim=0)
+    joined = gather_heads(out_img, sizes, group, num_heads=H, text=out_txt if T else None)
+    result = join_text_image(joined[S_r:], joined[:S_r], text_layout, dim=0)  # image rows, then text rows
     return result.permute(1, 2, 0, 3)  # [B, H, T + S_r, D]
 
 

@@ -1,0 +1,226 @@
+"""Video sparse attention (VSA) under sequence parallelism: Ulysses or K/V-gather underneath.
+
+VSA ("VSA: Faster Video Diffusion with Trainable Sparse Attention", arXiv 2505.13389, and the
+FastVideo implementation it describes) cuts the patchified latent grid into 3-D tiles, attends at
+tile level to pick the top-k key tiles of each query tile, and attends token by token only inside
+the picked tiles; the math is in :mod:`diffusers_sp.kernels.vsa`.
+
+Sequence parallelism (see DESIGN.md): while VSA is on, the transformer's tokens travel in *tile
+order* (a :class:`~diffusers_sp.sharding.TokenOrder` set per forward from the latent grid) and are
+sharded on tile boundaries, balanced to within one tile. Everything outside attention is per token,
+so the reordering is exact, and it is undone when the output is gathered.
+
+* Under K/V-gather each rank tiles its own queries and gate without communication, all-gathers K
+  and V (one collective), and runs VSA for its query tiles against all key tiles; top-k uses the
+  global tile count. A query tile needs only its own q, gate and the full K/V, so this is exact.
+* Under Ulysses Q, K, V and the gate travel in one all-to-all to head shards over the full
+  sequence, each rank runs VSA for its heads over all tiles, and one all-to-all brings the output
+  back.
+
+sglang's diffusion runtime refuses K/V-gather with VSA; Diffusers has no sparse attention under
+context parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+from diffusers.hooks import ModelHook
+
+from ..kernels.vsa import make_tile_layout, video_sparse_attention
+from ..sharding import TokenOrder, balanced_sizes
+from ..validation import SequenceParallelConfigError
+from .base import SequenceParallelAttnProcessor
+from .kv_gather import gather_kv
+from .ulysses import gather_heads, scatter_heads
+
+#: Defaults of the ``vsa_*`` options of :func:`diffusers_sp.enable_sequence_parallel`.
+VSA_DEFAULTS = {"vsa_sparsity": 0.9, "vsa_tile_size": (4, 4, 4), "vsa_sp_mode": "auto", "vsa_gate_weights": None}
+
+
+@functools.lru_cache(maxsize=16)
+def tile_plan(grid: tuple[int, int, int], tile: tuple[int, int, int], world_size: int):
+    """The tile layout of ``grid`` and how its tiles and tokens are shared out over ``world_size`` ranks.
+
+    Returns:
+        ``(layout, tile_ranges, order)``: the :class:`~diffusers_sp.kernels.vsa.TileLayout`
+        (CPU tensors); per rank the ``(start, end)`` of its contiguous range of whole tiles
+        (balanced, the first ``N mod P`` ranks one tile more); and the
+        :class:`~diffusers_sp.sharding.TokenOrder` (tile order, tokens per rank).
+
+    Raises:
+        SequenceParallelConfigError: fewer tiles than ranks.
+    """
+    layout = make_tile_layout(grid, tile)
+    if layout.num_tiles < world_size:
+        raise SequenceParallelConfigError(
+            f"VSA: the latent grid {grid} (frames, height, width in patches) has {layout.num_tiles} tiles of "
+            f"{tile} for {world_size} ranks; every rank needs at least one tile. Use a smaller vsa_tile_size, "
+            f"a larger video, fewer ranks, or mode='kv_gather' / 'ulysses' (dense).")
+    counts = balanced_sizes(layout.num_tiles, world_size)
+    starts = [sum(counts[:i]) for i in range(world_size)]
+    ranges = tuple((s, s + c) for s, c in zip(starts, counts))
+    perm = layout.tiled_index[layout.tiled_index >= 0]
+    sizes = tuple(int(layout.block_sizes[s:e].sum()) for s, e in ranges)
+    order = TokenOrder(perm=perm, inverse=torch.argsort(perm), sizes=sizes)
+    return layout, ranges, order
+
+
+def _slot_index(layout, start: int, end: int) -> torch.Tensor:
+    """Slots (within tiles ``[start, end)``, tile-major) that hold tokens: where to scatter a tile-ordered shard."""
+    slots = layout.tiled_index[start * layout.tile_volume:end * layout.tile_volume]
+    return torch.nonzero(slots >= 0).squeeze(1)
+
+
+def _to_tiles(x: torch.Tensor, slots: torch.Tensor, num_tiles: int, volume: int) -> torch.Tensor:
+    """``[B, H, L, D]`` tile-ordered tokens -> ``[B, H, num_tiles, V, D]`` with zero padded slots."""
+    B, H, _, D = x.shape
+    out = x.new_zeros(B, H, num_tiles * volume, D)
+    out.index_copy_(2, slots.to(x.device), x)
+    return out.view(B, H, num_tiles, volume, D)
+
+
+def _from_tiles(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_to_tiles`: ``[B, H, N, V, D]`` -> ``[B, H, L, D]`` (valid slots only)."""
+    B, H, N, V, D = x.shape
+    return x.reshape(B, H, N * V, D).index_select(2, slots.to(x.device))
+
+
+def load_gate_weights(path: str | os.PathLike, num_layers: int, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Loads the VSA gate projections ``blocks.{i}.to_gate_compress.{weight,bias}`` with safetensors.
+
+    Args:
+        path: A ``.safetensors`` file, or a folder of ``*.safetensors`` shards (the layout of
+            checkpoints trained for VSA).
+        num_layers: Transformer blocks; every ``i`` in ``range(num_layers)`` must be present.
+        dim: Model width (``heads * head_dim``): weights ``[dim, dim]``, biases ``[dim]``.
+
+    Returns:
+        ``[(weight, bias)]`` per block (CPU tensors in the file's dtype).
+
+    Raises:
+        SequenceParallelConfigError: the path does not exist or holds no safetensors file, or a key
+            is missing or misshapen (the message names the key).
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise SequenceParallelConfigError(f"vsa_gate_weights={str(path)!r}: no .safetensors file found there.")
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                if ".to_gate_compress." in key:
+                    tensors[key] = handle.get_tensor(key)
+    out = []
+    for i in range(num_layers):
+        pair = []
+        for name, shape in (("weight", (dim, dim)), ("bias", (dim,))):
+            key = f"blocks.{i}.to_gate_compress.{name}"
+            if key not in tensors:
+                raise SequenceParallelConfigError(f"vsa_gate_weights={str(path)!r}: key {key!r} is missing.")
+            if tuple(tensors[key].shape) != shape:
+                raise SequenceParallelConfigError(
+                    f"vsa_gate_weights={str(path)!r}: key {key!r} has shape {tuple(tensors[key].shape)}, "
+                    f"expected {shape} for a model of width {dim}.")
+            pair.append(tensors[key])
+        out.append(tuple(pair))
+    return out
+
+
+class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
+    """Attention processor running the model's own processor with video sparse attention (VSA).
+
+    Args:
+        inner: The model's self-attention processor (Wan: ``WanAttnProcessor`` of ``blocks.i.attn1``).
+        state: The model's :class:`~diffusers_sp.sharding.SequenceState`; ``state.extra["vsa"]``
+            holds ``(layout, tile_ranges)`` for the current forward, set by :class:`TileOrderHook`.
+        sparsity: Fraction of key tiles each query tile skips, in ``[0, 1)``.
+        sp_mode: Communication underneath: ``"ulysses"`` or ``"kv_gather"``.
+        gate: ``None`` (zero gate: pure block-sparse attention) or ``(weight [dim, dim], bias [dim])``
+            of the gate projection ``to_gate_compress`` applied to the attention input.
+        backend: VSA backend of :func:`~diffusers_sp.kernels.vsa.video_sparse_attention`
+            (``"auto"``: flex_attention on CUDA, the reference implementation elsewhere).
+        kernel: Unused by VSA (kept for the common processor signature).
+
+    Tensors in the taken-over attention call are ``[B, H, S_r, D]``: this rank's tokens in tile order.
+    """
+
+    strategy = "vsa"
+
+    def __init__(self, inner, state, *, sparsity: float, sp_mode: str, gate=None, backend: str = "auto",
+                 kernel: str = "auto"):
+        super().__init__(inner, state, kernel=kernel)
+        self.backend = backend
+        self.sparsity = sparsity
+        self.sp_mode = sp_mode
+        self.gate_weight, self.gate_bias = gate if gate is not None else (None, None)
+        self._gate = None
+
+    def _run(self, attn, *args, **kwargs):
+        if self.gate_weight is not None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if self.gate_weight.device != hidden.device or self.gate_weight.dtype != hidden.dtype:
+                self.gate_weight = self.gate_weight.to(hidden.device, hidden.dtype)
+                self.gate_bias = self.gate_bias.to(hidden.device, hidden.dtype)
+            gate = torch.nn.functional.linear(hidden, self.gate_weight, self.gate_bias)  # [B, S_r, H*D]
+            self._gate = gate.unflatten(2, (attn.heads, -1)).transpose(1, 2)  # [B, H, S_r, D]
+        try:
+            return super()._run(attn, *args, **kwargs)
+        finally:
+            self._gate = None
+
+    def parallel_attention(self, query, key, value, sizes, *, scale, text_len=0, text_layout=None, key_mask=None):
+        if text_len or key_mask is not None:
+            raise SequenceParallelConfigError(
+                f"{type(self.inner).__name__}: VSA supports video self-attention without text tokens or masks.")
+        layout, ranges = self.state.extra["vsa"]
+        group, V = self.state.group, layout.tile_volume
+        sizes_kv = layout.block_sizes.to(query.device)
+        if self.sp_mode == "kv_gather" or group.world_size == 1:
+            start, end = ranges[group.rank]
+            k, v = gather_kv(key, value, sizes, group)
+            mine, every = _slot_index(layout, start, end), _slot_index(layout, 0, layout.num_tiles)
+            gate = None if self._gate is None else _to_tiles(self._gate, mine, end - start, V)
+            out = video_sparse_attention(
+                _to_tiles(query, mine, end - start, V), _to_tiles(k, every, layout.num_tiles, V),
+                _to_tiles(v, every, layout.num_tiles, V), q_block_sizes=sizes_kv[start:end],
+                kv_block_sizes=sizes_kv, sparsity=self.sparsity, gate=gate, scale=scale, backend=self.backend)
+            return _from_tiles(out, mine)
+        tensors = [query, key, value] + ([] if self._gate is None else [self._gate])
+        full = scatter_heads(tensors, sizes, group)  # [B, h_r, S, D] each, tile order
+        every = _slot_index(layout, 0, layout.num_tiles)
+        tiles = [_to_tiles(t, every, layout.num_tiles, V) for t in full]
+        out = video_sparse_attention(tiles[0], tiles[1], tiles[2], q_block_sizes=sizes_kv, kv_block_sizes=sizes_kv,
+                                     sparsity=self.sparsity, gate=tiles[3] if len(tiles) > 3 else None,
+                                     scale=scale, backend=self.backend)
+        joined = gather_heads(_from_tiles(out, every), sizes, group, num_heads=query.shape[1])  # [S_r, B, H, D]
+        return joined.permute(1, 2, 0, 3)
+
+
+class TileOrderHook(ModelHook):
+    """Model pre-forward hook that puts the tokens in VSA tile order for the forward.
+
+    Reads the latent grid ``(T, H, W)`` (in patches) from the model's input through the family's
+    ``latent_grid(model, args, kwargs)`` and sets ``state.order`` (tile order, tile-aligned shards)
+    and ``state.extra["vsa"]``. Registered after the sharding hooks, so it runs before them.
+
+    Raises (during the forward, identically on every rank):
+        SequenceParallelConfigError: fewer tiles than ranks.
+    """
+
+    def __init__(self, state, latent_grid, tile):
+        super().__init__()
+        self.state, self.latent_grid, self.tile = state, latent_grid, tuple(tile)
+
+    def pre_forward(self, module, *args, **kwargs):
+        grid = tuple(int(g) for g in self.latent_grid(module, args, kwargs))
+        layout, ranges, order = tile_plan(grid, self.tile, self.state.group.world_size)
+        self.state.order = order
+        self.state.extra["vsa"] = (layout, ranges)
+        return args, kwargs

@@ -1,0 +1,285 @@
+"""Tests of the VSA kernel module (diffusers_sp.kernels.vsa): tiling, top-k, and the attention
+against dense SDPA and against an independent loop implementation of arXiv 2505.13389's VSA."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffusers_sp.kernels import vsa
+from diffusers_sp.kernels.vsa import (
+    make_tile_layout,
+    tile_range_tokens,
+    tile_tokens,
+    untile_tokens,
+    video_sparse_attention,
+    vsa_topk,
+)
+
+
+def _tiled_qkv(layout, batch=2, heads=3, head_dim=8, seed=0, dtype=torch.float32, device="cpu"):
+    """Random raster q, k, v ``[B, H, S, D]`` and their tiled forms ``[B, H, N, V, D]``."""
+    gen = torch.Generator().manual_seed(seed)
+    raster = [torch.randn(batch, heads, layout.num_tokens, head_dim, generator=gen).to(device, dtype)
+              for _ in range(3)]
+    return raster, [tile_tokens(x, layout, dim=2) for x in raster]
+
+
+def _loop_vsa(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate):
+    """VSA written as directly as possible from the paper, one (batch, head, query tile) at a time.
+
+    q, k, v, gate: tiled ``[B, H, N, V, D]`` float32. Returns ``[B, H, Nq, V, D]``.
+    """
+    batch, heads, num_q_tiles, _, head_dim = q.shape
+    num_kv_tiles = k.shape[2]
+    scale = 1 / math.sqrt(head_dim)
+    keep = max(1, min(num_kv_tiles, math.ceil(round((1 - sparsity) * num_kv_tiles, 9))))
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        for h in range(heads):
+            k_means = torch.stack([k[b, h, j, :kv_block_sizes[j]].mean(0) for j in range(num_kv_tiles)])
+            v_means = torch.stack([v[b, h, j, :kv_block_sizes[j]].mean(0) for j in range(num_kv_tiles)])
+            for i in range(num_q_tiles):
+                n_q = int(q_block_sizes[i])
+                q_tokens = q[b, h, i, :n_q]
+                scores = (q_tokens.mean(0) @ k_means.T) * scale
+                coarse = torch.softmax(scores, 0) @ v_means
+                chosen = torch.topk(scores, keep).indices.tolist()
+                keys = torch.cat([k[b, h, j, :kv_block_sizes[j]] for j in chosen])
+                values = torch.cat([v[b, h, j, :kv_block_sizes[j]] for j in chosen])
+                fine = torch.softmax(q_tokens @ keys.T * scale, dim=-1) @ values
+                out[b, h, i, :n_q] = fine + coarse * gate[b, h, i, :n_q]
+    return out
+
+
+def _rel_max_diff(actual, expected):
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+# --- tiling ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("grid,tile", [((5, 6, 7), (4, 4, 4)), ((8, 4, 4), (4, 4, 4)),
+                                       ((3, 5, 2), (2, 2, 2)), ((1, 1, 1), (4, 4, 4)),
+                                       ((1, 1, 1), (1, 1, 1))])
+def test_tile_untile_round_trip(grid, tile):
+    layout = make_tile_layout(grid, tile)
+    S = grid[0] * grid[1] * grid[2]
+    assert layout.tile_volume == tile[0] * tile[1] * tile[2]
+    assert layout.tile_grid == tuple(-(-g // t) for g, t in zip(grid, tile))
+    assert layout.num_tiles == math.prod(layout.tile_grid)
+    assert int(layout.block_sizes.sum()) == S
+    assert bool(((layout.block_sizes >= 1) & (layout.block_sizes <= layout.tile_volume)).all())
+    # Valid slots first: slot j of tile i holds a token exactly when j < block_sizes[i], and the
+    # tokens of a tile are in raster order.
+    per_tile = layout.tiled_index.view(layout.num_tiles, layout.tile_volume)
+    assert torch.equal(per_tile >= 0, torch.arange(layout.tile_volume) < layout.block_sizes[:, None])
+    for i in range(layout.num_tiles):
+        tokens = per_tile[i, :layout.block_sizes[i]]
+        assert bool((tokens[1:] > tokens[:-1]).all())
+    # tiled_index holds every raster token exactly once; raster_to_slot inverts it.
+    valid = layout.tiled_index[layout.tiled_index >= 0]
+    assert torch.equal(valid.sort().values, torch.arange(S))
+    assert torch.equal(layout.tiled_index[layout.raster_to_slot], torch.arange(S))
+
+    x = torch.randn(2, S, 3)
+    tiled = tile_tokens(x, layout, dim=1)
+    assert tiled.shape == (2, layout.num_tiles, layout.tile_volume, 3)
+    padded = layout.tiled_index.view(layout.num_tiles, layout.tile_volume) < 0
+    assert bool((tiled[:, padded] == 0).all())
+    assert torch.equal(untile_tokens(tiled, layout, dim=1), x)
+    # Negative dims name the same positions.
+    assert torch.equal(tile_tokens(x, layout, dim=-2), tiled)
+    assert torch.equal(untile_tokens(tiled, layout, dim=-3), x)
+
+
+def test_tiled_order_hand_computed():
+    layout = make_tile_layout((1, 2, 4), (1, 2, 2))
+    assert layout.tiled_index.view(2, 4).tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    x = torch.arange(8.0)
+    assert tile_tokens(x, layout, dim=0).tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_partial_tiles_hand_computed():
+    # grid (1, 3, 3), tile (1, 2, 2): tiles hold {0,1,3,4}, {2,5}, {6,7}, {8}; valid tokens first.
+    layout = make_tile_layout((1, 3, 3), (1, 2, 2))
+    assert layout.tiled_index.view(4, 4).tolist() == [[0, 1, 3, 4], [2, 5, -1, -1],
+                                                      [6, 7, -1, -1], [8, -1, -1, -1]]
+    assert layout.block_sizes.tolist() == [4, 2, 2, 1]
+
+
+def test_tile_range_tokens():
+    layout = make_tile_layout((3, 5, 2), (2, 2, 2))
+    x = torch.arange(layout.num_tokens)
+    tiled = tile_tokens(x, layout, dim=0)
+    for start, end in [(0, layout.num_tiles), (1, 4), (2, 2), (layout.num_tiles - 1, layout.num_tiles)]:
+        idx = tile_range_tokens(layout, start, end)
+        assert idx.numel() == int(layout.block_sizes[start:end].sum())
+        # Tile-slot order: the valid slots of those tiles, in order.
+        V = layout.tile_volume
+        slots = tiled[start:end].flatten()[layout.tiled_index[start * V:end * V] >= 0]
+        assert torch.equal(x[idx], slots)
+    with pytest.raises(ValueError, match="tile range"):
+        tile_range_tokens(layout, 2, layout.num_tiles + 1)
+    with pytest.raises(ValueError, match="tile range"):
+        tile_range_tokens(layout, 3, 2)
+
+
+# --- top-k ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_kv_tiles,sparsity,expected", [
+    (10, 0.9, 1), (10, 0.0, 10), (10, 0.5, 5), (10, 0.55, 5), (10, 0.45, 6), (624, 0.9, 63),
+    (1, 0.0, 1), (1, 0.99, 1), (100, 0.999, 1), (3, 0.7, 1), (3, 0.6, 2), (7, 1 / 7, 6)])
+def test_vsa_topk(num_kv_tiles, sparsity, expected):
+    assert vsa_topk(num_kv_tiles, sparsity) == expected
+
+
+@pytest.mark.parametrize("num_kv_tiles,sparsity", [(0, 0.5), (10, 1.0), (10, -0.1), (10, 1.5)])
+def test_vsa_topk_errors(num_kv_tiles, sparsity):
+    with pytest.raises(ValueError):
+        vsa_topk(num_kv_tiles, sparsity)
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_sparsity_zero_without_gate_is_dense_attention(backend):
+    layout = make_tile_layout((5, 6, 7), (4, 4, 4))  # partial tiles on every axis
+    (q, k, v), (qt, kt, vt) = _tiled_qkv(layout, batch=2, heads=3, head_dim=8)
+    out_tiled = video_sparse_attention(qt, kt, vt, q_block_sizes=layout.block_sizes,
+                                       kv_block_sizes=layout.block_sizes, sparsity=0.0, backend=backend)
+    out = untile_tokens(out_tiled, layout, dim=2)
+    expected = F.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == q.dtype and out.shape == expected.shape
+    assert _rel_max_diff(out, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.9])
+def test_matches_loop_implementation_with_gate(sparsity):
+    layout = make_tile_layout((5, 6, 7), (2, 2, 2))  # 3*3*4 = 36 tiles of 8 slots, partial ones too
+    _, (qt, kt, vt) = _tiled_qkv(layout, batch=2, heads=2, head_dim=8, seed=1)
+    gate = torch.randn(qt.shape, generator=torch.Generator().manual_seed(2))
+    out = video_sparse_attention(qt, kt, vt, q_block_sizes=layout.block_sizes,
+                                 kv_block_sizes=layout.block_sizes, sparsity=sparsity, gate=gate,
+                                 backend="reference")
+    expected = _loop_vsa(qt, kt, vt, layout.block_sizes, layout.block_sizes, sparsity, gate)
+    assert _rel_max_diff(out, expected) <= 1e-5
+    # Padded query slots are zero although the gate is not.
+    padded = layout.tiled_index.view(layout.num_tiles, -1) < 0
+    assert bool((out[:, :, padded] == 0).all())
+
+
+def test_query_tile_subset_gives_the_same_rows():
+    layout = make_tile_layout((5, 6, 7), (2, 2, 2))
+    _, (qt, kt, vt) = _tiled_qkv(layout, batch=1, heads=2, head_dim=8, seed=3)
+    gate = torch.randn(qt.shape, generator=torch.Generator().manual_seed(4))
+    common = dict(kv_block_sizes=layout.block_sizes, sparsity=0.75, backend="reference")
+    full = video_sparse_attention(qt, kt, vt, q_block_sizes=layout.block_sizes, gate=gate, **common)
+    for start, end in [(0, 13), (13, 36), (20, 21)]:
+        part = video_sparse_attention(qt[:, :, start:end], kt, vt, q_block_sizes=layout.block_sizes[start:end],
+                                      gate=gate[:, :, start:end], **common)
+        torch.testing.assert_close(part, full[:, :, start:end], rtol=0, atol=1e-6)
+
+
+def test_reference_backend_gradients():
+    layout = make_tile_layout((2, 2, 4), (1, 2, 2))  # 4 whole tiles
+    _, tiled = _tiled_qkv(layout, batch=1, heads=1, head_dim=4, seed=8, dtype=torch.float64)
+    gate = torch.randn(tiled[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    inputs = [x.requires_grad_() for x in (*tiled, gate)]
+
+    def vsa_of(q, k, v, g):
+        return video_sparse_attention(q, k, v, q_block_sizes=layout.block_sizes, kv_block_sizes=layout.block_sizes,
+                                      sparsity=0.5, gate=g, backend="auto")  # auto: reference on CPU
+
+    assert torch.autograd.gradcheck(vsa_of, inputs, fast_mode=True)
+
+
+def test_errors():
+    layout = make_tile_layout((3, 5, 2), (2, 2, 2))
+    _, (qt, kt, vt) = _tiled_qkv(layout, batch=1, heads=2, head_dim=8)
+    bad_calls = [  # (regex of the message, args, keyword overrides)
+        ("sparsity", (qt, kt, vt), dict(sparsity=1.0)),
+        ("sparsity", (qt, kt, vt), dict(sparsity=-0.5)),
+        ("agree on B, H, V and D", (qt, kt[..., :4], vt[..., :4]), {}),
+        ("same shape", (qt, kt, vt[:, :, :-1]), {}),
+        (r"\[B, H, N, V, D\]", (qt.flatten(2, 3), kt, vt), {}),
+        ("q_block_sizes", (qt, kt, vt), dict(q_block_sizes=layout.block_sizes[:-1])),
+        ("kv_block_sizes", (qt, kt, vt), dict(kv_block_sizes=layout.block_sizes.float())),
+        ("gate", (qt, kt, vt), dict(gate=qt[:, :1])),
+        ("backend", (qt, kt, vt), dict(backend="triton")),
+        ("dtype", (qt, kt.double(), vt.double()), {}),
+    ]
+    if not torch.cuda.is_available():
+        bad_calls.append(("needs CUDA", (qt, kt, vt), dict(backend="flex")))
+    for match, args, overrides in bad_calls:
+        kwargs = dict(q_block_sizes=layout.block_sizes, kv_block_sizes=layout.block_sizes, sparsity=0.5,
+                      backend="reference")
+        kwargs.update(overrides)
+        with pytest.raises(ValueError, match=match):
+            video_sparse_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("grid,tile", [((0, 4, 4), (4, 4, 4)), ((4, 4, 4), (4, 0, 4)),
+                                       ((4, 4), (4, 4, 4)), ((-1, 2, 2), (1, 1, 1))])
+def test_layout_errors(grid, tile):
+    with pytest.raises(ValueError, match="three ints >= 1"):
+        make_tile_layout(grid, tile)
+
+
+def test_tile_shape_errors():
+    layout = make_tile_layout((3, 5, 2), (2, 2, 2))
+    with pytest.raises(ValueError, match="tokens"):
+        tile_tokens(torch.zeros(2, layout.num_tokens + 1), layout, dim=1)
+    with pytest.raises(ValueError, match="out of range"):
+        tile_tokens(torch.zeros(2, layout.num_tokens), layout, dim=2)
+    with pytest.raises(ValueError, match="num_tiles, V"):
+        untile_tokens(torch.zeros(layout.num_tiles, layout.tile_volume + 1), layout, dim=0)
+
+
+# --- flex backend ------------------------------------------------------------------------------
+
+@pytest.mark.skipif(vsa.BlockMask is None, reason="torch without flex_attention")
+def test_flex_block_mask_encodes_the_selection():
+    """CPU check of the flex path's BlockMask: full blocks are exactly the selected whole tiles,
+    mask_mod blocks exactly the selected partial tiles, and mask_mod keeps their valid slots."""
+    layout = make_tile_layout((5, 6, 7), (4, 4, 4))  # 8 tiles: 1 whole, 7 partial
+    V, num_tiles, batch, heads, topk = layout.tile_volume, layout.num_tiles, 2, 3, 5
+    gen = torch.Generator().manual_seed(0)
+    selected = torch.stack([torch.randperm(num_tiles, generator=gen)[:topk]
+                            for _ in range(batch * heads * num_tiles)]).view(batch, heads, num_tiles, topk)
+    block_mask = vsa._selection_block_mask(selected, layout.block_sizes, V)
+    assert block_mask.BLOCK_SIZE == (V, V)
+    assert tuple(block_mask.seq_lengths) == (num_tiles * V, num_tiles * V)
+
+    def as_sets(num_blocks, indices):
+        return [set(indices[b, h, i, :num_blocks[b, h, i]].tolist())
+                for b in range(batch) for h in range(heads) for i in range(num_tiles)]
+
+    whole = {j for j in range(num_tiles) if layout.block_sizes[j] == V}
+    chosen = [set(selected[b, h, i].tolist()) for b in range(batch) for h in range(heads) for i in range(num_tiles)]
+    assert as_sets(block_mask.full_kv_num_blocks, block_mask.full_kv_indices) == [c & whole for c in chosen]
+    assert as_sets(block_mask.kv_num_blocks, block_mask.kv_indices) == [c - whole for c in chosen]
+    zero = torch.zeros((), dtype=torch.long)
+    keep = block_mask.mask_mod(zero, zero, zero, torch.arange(num_tiles * V))
+    assert torch.equal(keep.view(num_tiles, V), torch.arange(V) < layout.block_sizes[:, None])
+
+
+# GPU-only: skipped without CUDA.
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: backend='flex' needs CUDA")
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("sparsity", [0.0, 0.6, 0.9])
+def test_flex_matches_reference_cuda(dtype, atol, sparsity):
+    """GPU-only: the flex BlockMask path (full tiles without mask_mod, partial tiles with it,
+    a subset of query tiles) agrees with the reference path."""
+    layout = make_tile_layout((5, 10, 9), (4, 4, 4), device="cuda")  # 2*3*3 = 18 tiles, most partial
+    _, (qt, kt, vt) = _tiled_qkv(layout, batch=2, heads=3, head_dim=64, seed=6, dtype=dtype, device="cuda")
+    gate = torch.randn(qt.shape, generator=torch.Generator().manual_seed(7)).to("cuda", dtype)
+    for gate_arg in (None, gate):
+        for start, end in [(0, layout.num_tiles), (5, 12)]:
+            kwargs = dict(q_block_sizes=layout.block_sizes[start:end], kv_block_sizes=layout.block_sizes,
+                          sparsity=sparsity, gate=None if gate_arg is None else gate_arg[:, :, start:end])
+            q_part = qt[:, :, start:end]
+            flex = video_sparse_attention(q_part, kt, vt, backend="flex", **kwargs)
+            reference = video_sparse_attention(q_part, kt, vt, backend="reference", **kwargs)
+            assert flex.dtype == dtype
+            torch.testing.assert_close(flex.float(), reference.float(), rtol=atol, atol=atol)
