@@ -8,19 +8,21 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from diffusers.hooks import HookRegistry
 
 from .comm import broadcast_tensor
 from .groups import SPGroup, resolve_group, world_size_for
 from .kernels.sdpa import KERNELS
 from .pipelines import FamilySpec, family_for
 from .processors import PROCESSORS
+from .processors.vsa import VSA_DEFAULTS, TileOrderHook, VideoSparseAttnProcessor, load_gate_weights
 from .sharding import SequenceState, apply_plan, remove_hooks
 from .traits import PipelineTraits
-from .validation import SequenceParallelConfigError, validate_mode
+from .validation import SequenceParallelConfigError, validate_mode, validate_vsa
 
 logger = logging.getLogger("diffusers_sp")
 
-_OPTIONS = {"attention_kernel": "auto"}
+_OPTIONS = {"attention_kernel": "auto", **VSA_DEFAULTS}
 _HANDLE_ATTR = "_diffusers_sp_handle"
 
 
@@ -60,6 +62,20 @@ class SequenceParallelHandle:
     target: object = field(repr=False)
     _models: list = field(default_factory=list, repr=False)
     _pipeline_patches: list = field(default_factory=list, repr=False)
+    # Issue 8: replicas x cfg x sp layout (see diffusers_sp.replicas / cfg_parallel / vae).
+    replica_index: int = 0
+    num_replicas: int = 1
+    cfg_rank: int = 0
+    cfg_degree: int = 1
+    parallel_vae: bool = False
+    groups: object = field(default=None, repr=False)
+    _undo: list = field(default_factory=list, repr=False)
+    _cfg_hooks: list = field(default_factory=list, repr=False)  # CFGParallelHook per transformer (stats)
+
+    @property
+    def is_output_rank(self) -> bool:
+        """True on the one rank of each replica that should write its outputs (CFG rank 0, SP rank 0)."""
+        return self.cfg_rank == 0 and self.rank == 0
 
     def disable(self) -> None:
         """Restores the original processors and removes every hook; outputs are then the model's own."""
@@ -74,6 +90,9 @@ class SequenceParallelHandle:
         for obj, name in self._pipeline_patches:
             if name in vars(obj):
                 delattr(obj, name)
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
         if getattr(self.target, _HANDLE_ATTR, None) is self:
             delattr(self.target, _HANDLE_ATTR)
         self._models.clear()
@@ -150,7 +169,31 @@ def _patch_prepare_latents(pipe, group: SPGroup, handle: SequenceParallelHandle)
     handle._pipeline_patches.append((pipe, "prepare_latents"))
 
 
-def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, **options) -> SequenceParallelHandle:
+def _gate_paths(spec, traits: PipelineTraits) -> list:
+    """``vsa_gate_weights`` as one path (or None) per transformer of ``traits``.
+
+    A single path serves a pipeline with one transformer; with several (Wan 2.2), pass a dict
+    ``{"transformer": path, "transformer_2": path}`` (missing entries: zero gate).
+    """
+    if spec is None:
+        return [None] * len(traits.models)
+    if isinstance(spec, dict):
+        unknown = sorted(set(spec) - {m.attribute for m in traits.models})
+        if unknown:
+            raise SequenceParallelConfigError(
+                f"{traits.name}: vsa_gate_weights names {unknown}, which are not transformers of this pipeline "
+                f"({[m.attribute for m in traits.models]}).")
+        return [spec.get(m.attribute) for m in traits.models]
+    if len(traits.models) > 1:
+        raise SequenceParallelConfigError(
+            f"{traits.name} has {len(traits.models)} transformers; pass vsa_gate_weights as a dict "
+            f"{{attribute: path}} for {[m.attribute for m in traits.models]}.")
+    return [spec]
+
+
+def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, cfg_parallel=False,
+                             sp_degree: int | None = None, parallel_vae: bool = False,
+                             **options) -> SequenceParallelHandle:
     """Splits the token sequence of a pipeline's transformer(s) across the ranks of a process group.
 
     Every rank runs the same pipeline call; each transformer forward is split along its tokens
@@ -166,7 +209,20 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         process_group: A ``torch.distributed.ProcessGroup`` to split over; ``None`` uses the whole
             run as launched by ``accelerate launch`` / ``torchrun`` (initialised through
             ``accelerate.PartialState``: NCCL on CUDA, gloo on CPU), or one process if not launched.
-        **options: ``attention_kernel`` = ``"auto"`` | ``"sdpa"`` | ``"flash_attn"`` (local kernel).
+        cfg_parallel: ``False`` (default), ``True`` (two CFG groups, a ``cfg x sp`` mesh: one computes
+            the conditional pass, one the unconditional; see :mod:`diffusers_sp.cfg_parallel`) or
+            ``"auto"`` (chosen by :func:`diffusers_sp.cfg_parallel.choose_cfg_parallel`).
+        sp_degree: Ranks per sequence-parallel group; ``None``: all ranks not used by CFG. Smaller
+            values leave ``world / (cfg x sp)`` replicas (see :mod:`diffusers_sp.replicas`); the
+            handle reports ``replica_index`` and ``num_replicas``.
+        parallel_vae: Share the VAE's decode tiles over the ranks of a replica
+            (:mod:`diffusers_sp.vae`; enables the VAE's tiling).
+        **options: ``attention_kernel`` = ``"auto"`` | ``"sdpa"`` | ``"flash_attn"`` (local dense
+            kernel). For ``mode="vsa"``: ``vsa_sparsity`` (fraction of key tiles skipped, default 0.9),
+            ``vsa_tile_size`` (default ``(4, 4, 4)`` latent patches, frames first), ``vsa_sp_mode``
+            (``"auto"``, ``"ulysses"``, ``"kv_gather"``: the communication underneath) and
+            ``vsa_gate_weights`` (path of a safetensors file or folder with
+            ``blocks.{i}.to_gate_compress.{weight,bias}``; ``None``: zero gate).
 
     Returns:
         A :class:`SequenceParallelHandle` with ``mode``, ``rank``, ``world_size`` and ``disable()``.
@@ -191,21 +247,64 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     if getattr(target, _HANDLE_ATTR, None) is not None or any(getattr(m, _HANDLE_ATTR, None) for _, m in models):
         raise SequenceParallelConfigError(
             f"{traits.name}: sequence parallelism is already enabled; call disable_sequence_parallel() first.")
-    resolved = validate_mode(mode, traits, world_size_for(process_group))
+    from . import cfg_parallel as _cfg
+    from .replicas import resolve_layout
 
-    group = resolve_group(process_group)
-    _check_same_on_all_ranks(group, (traits.fingerprint(), resolved, opts["attention_kernel"]))
+    layout = resolve_layout(traits.name, world_size_for(process_group), cfg_parallel=cfg_parallel,
+                            sp_degree=sp_degree, family=family.name,
+                            cfg_capable=family.name in _cfg.TWO_CALL_FAMILIES + _cfg.BATCHED_FAMILIES,
+                            process_group=process_group)
+    resolved = validate_mode(mode, traits, layout.sp_degree)
+    vsa = None
+    if resolved == "vsa":
+        sparsity, tile, sp_mode = validate_vsa(
+            traits, layout.sp_degree, sparsity=opts["vsa_sparsity"], tile_size=opts["vsa_tile_size"],
+            sp_mode=opts["vsa_sp_mode"], has_latent_grid=family.latent_grid is not None)
+        paths = _gate_paths(opts["vsa_gate_weights"], traits)
+        # Every rank reads the files before any collective, so a bad file fails everywhere alike.
+        gates = [None if path is None else load_gate_weights(path, mt.num_attention_layers, mt.num_heads * mt.head_dim)
+                 for path, mt in zip(paths, traits.models)]
+        vsa = dict(sparsity=sparsity, tile=tile, sp_mode=sp_mode, gates=gates)
+    if parallel_vae:
+        from .vae import check_parallel_vae
+
+        check_parallel_vae(target, models)
+
+    if layout.trivial:
+        group = resolve_group(process_group)
+        pgroups = None
+    else:
+        from .groups import build_parallel_groups
+
+        pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree)
+        group = pgroups.sp
+    _check_same_on_all_ranks(group, (traits.fingerprint(), resolved, opts["attention_kernel"],
+                                     None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"],
+                                                               opts["vsa_gate_weights"] is not None),
+                                     layout.num_replicas, layout.cfg_degree, bool(parallel_vae)))
 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
                                     group=group, target=target)
+    replica_group = group
+    if pgroups is not None:
+        handle.groups = pgroups
+        handle.replica_index, handle.num_replicas = pgroups.replica_index, pgroups.num_replicas
+        handle.cfg_rank, handle.cfg_degree = pgroups.cfg_rank, pgroups.cfg_degree
+        replica_group = pgroups.replica  # every rank working on the same sample
     processor_cls = PROCESSORS[resolved]
-    for (_, model), model_traits in zip(models, traits.models):
+    for index, ((_, model), model_traits) in enumerate(zip(models, traits.models)):
         # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
         state = SequenceState(group, extra={"joint_text": model_traits.joint_text})
         installed = _InstalledModel(model, state, hooks=[], processors=[])
         handle._models.append(installed)
         installed.hooks = apply_plan(model, family.sharding_plan(model), state)
-        for _, module in family.attention_modules(model):
+        if vsa is not None:
+            # Registered last, so its pre-forward runs first and sets the tile order for the splits.
+            hook_name = "diffusers_sp_vsa_tile_order"
+            HookRegistry.check_if_exists_or_initialize(model).register_hook(
+                TileOrderHook(state, family.latent_grid, vsa["tile"]), hook_name)
+            installed.hooks.append((model, hook_name))
+        for layer, (_, module) in enumerate(family.attention_modules(model)):
             inner = module.processor
             backend = getattr(inner, "_attention_backend", None)
             if hasattr(inner, "_attention_backend"):
@@ -213,14 +312,30 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 # which the wrapper catches.
                 inner._attention_backend = "native"
             installed.processors.append((module, inner, backend))
-            _set_processor(module, processor_cls(inner, state, kernel=opts["attention_kernel"]))
+            if vsa is None:
+                processor = processor_cls(inner, state, kernel=opts["attention_kernel"])
+            else:
+                gate = vsa["gates"][index][layer] if vsa["gates"][index] is not None else None
+                processor = VideoSparseAttnProcessor(inner, state, sparsity=vsa["sparsity"], sp_mode=vsa["sp_mode"],
+                                                     gate=gate)
+            _set_processor(module, processor)
         setattr(model, _HANDLE_ATTR, handle)
+    if layout.cfg_degree == 2:
+        handle._cfg_hooks = _cfg.install(target, family.name, models, pgroups, handle)
+    if parallel_vae:
+        from .vae import install_parallel_vae
+
+        install_parallel_vae(target, replica_group, handle)
+        handle.parallel_vae = True
     if target is not models[0][1]:
-        _sync_rng_states(group)
-        _patch_prepare_latents(target, group, handle)
+        _sync_rng_states(replica_group)
+        _patch_prepare_latents(target, replica_group, handle)
     setattr(target, _HANDLE_ATTR, handle)
     if group.rank == 0:
         logger.info("diffusers-sp: %s with %s over %d rank(s)", traits.name, resolved, group.world_size)
+        if not layout.trivial:
+            logger.info("diffusers-sp: %d replica(s) x cfg %d x sp %d%s", layout.num_replicas, layout.cfg_degree,
+                        layout.sp_degree, f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")
     return handle
 
 

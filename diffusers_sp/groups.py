@@ -118,3 +118,80 @@ def resolve_group(process_group=None) -> SPGroup:
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
         PartialState(cpu=cpu, timeout=timeout)
     return SPGroup(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), dist.get_backend())
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The groups of a ``replicas x cfg x sp`` launch (issue 8), cut from one torch ``DeviceMesh``.
+
+    Global rank ``g = (replica * cfg_degree + cfg_rank) * sp_degree + sp_rank``: the ranks of one
+    sequence-parallel group are consecutive, the two CFG groups of a replica sit next to each other.
+
+    Attributes:
+        mesh: ``torch.distributed.device_mesh.DeviceMesh`` of shape ``(replicas, cfg, sp)`` with dim
+            names ``("replica", "cfg", "sp")`` (device type ``"cuda"`` on NCCL, ``"cpu"`` on gloo).
+        sp: This rank's sequence-parallel group (``sp_degree`` ranks).
+        cfg: The ``cfg_degree`` ranks (1 or 2) holding the same sequence shard in the two CFG groups.
+        replica: Every rank working on the same sample (``cfg_degree * sp_degree`` ranks): latents,
+            RNG state and the parallel VAE decode are shared over it.
+        world: The whole launch.
+        replica_index: Which replica this rank belongs to (0-based); ``num_replicas`` of them.
+        cfg_rank: 0 (conditional pass / first half of a CFG batch) or 1 (unconditional / second half).
+    """
+
+    mesh: object
+    sp: SPGroup
+    cfg: SPGroup
+    replica: SPGroup
+    world: SPGroup
+    replica_index: int
+    num_replicas: int
+    cfg_rank: int
+    cfg_degree: int
+
+
+_PARALLEL_GROUPS: dict = {}
+
+
+def build_parallel_groups(num_replicas: int, cfg_degree: int, sp_degree: int) -> ParallelGroups:
+    """Builds (once per shape and launch; cached) the ``replicas x cfg x sp`` groups.
+
+    A collective over the whole launch: every rank must call it with the same arguments. The
+    arguments must already be validated (``num_replicas * cfg_degree * sp_degree`` = world size),
+    see :func:`diffusers_sp.replicas.resolve_layout`.
+
+    Returns:
+        :class:`ParallelGroups`. With one process and no distributed run, every group is that process.
+    """
+    world = resolve_group(None)
+    if world.world_size == 1:
+        return ParallelGroups(None, world, world, world, world, 0, 1, 0, 1)
+    if num_replicas * cfg_degree * sp_degree != world.world_size:
+        raise SequenceParallelConfigError(
+            f"replicas {num_replicas} x cfg {cfg_degree} x sp {sp_degree} != world size {world.world_size}")
+    key = (num_replicas, cfg_degree, sp_degree, world.world_size, id(dist.group.WORLD))
+    if key in _PARALLEL_GROUPS:
+        return _PARALLEL_GROUPS[key]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if "nccl" in (world.backend or "") else "cpu"
+    mesh = init_device_mesh(device_type, (num_replicas, cfg_degree, sp_degree),
+                            mesh_dim_names=("replica", "cfg", "sp"))
+    backend = world.backend
+
+    def sub(dim: str) -> SPGroup:
+        return SPGroup(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(mesh.mesh_dim_names.index(dim)),
+                       backend)
+
+    per_replica = cfg_degree * sp_degree
+    if num_replicas == 1:
+        replica = world
+    else:
+        group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(r * per_replica, (r + 1) * per_replica)) for r in range(num_replicas)])
+        replica = SPGroup(group, world.rank % per_replica, per_replica, backend)
+    out = ParallelGroups(mesh=mesh, sp=sub("sp"), cfg=sub("cfg"), replica=replica, world=world,
+                         replica_index=world.rank // per_replica, num_replicas=num_replicas,
+                         cfg_rank=(world.rank // sp_degree) % cfg_degree, cfg_degree=cfg_degree)
+    _PARALLEL_GROUPS[key] = out
+    return out

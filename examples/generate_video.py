@@ -13,6 +13,12 @@ folder and loaded back through from_pretrained: it runs anywhere in seconds and 
 
 --check: rank 0 then runs the same generation without sequence parallelism and prints
 `check: max_abs_diff=<x> rel_err=<y> OK` (or FAILED); every rank exits non-zero on failure.
+
+--cfg-parallel on|auto splits the ranks into two CFG groups (conditional / unconditional pass),
+--sp-degree N sets the ranks per sequence-parallel group (the rest form replicas), --parallel-vae
+shares the VAE's decode tiles over the ranks of a replica. --prompts-file FILE (one prompt a line)
+spreads the prompts over the replicas; prompt i is written once, to <output stem>_<iii><suffix>
+(e.g. outputs/video_000.mp4), by its replica's first rank; with --check each is compared with one process.
 """
 
 from __future__ import annotations
@@ -48,6 +54,13 @@ def parse_args(argv=None):
                    help="video file written by rank 0 (.mp4 through imageio-ffmpeg, or .gif)")
     p.add_argument("--check", action="store_true",
                    help="rank 0 also runs without sequence parallelism and compares")
+    p.add_argument("--cfg-parallel", default="off", choices=["off", "on", "auto"],
+                   help="CFG parallelism: two rank groups for the conditional / unconditional passes")
+    p.add_argument("--sp-degree", type=int, default=None,
+                   help="ranks per sequence-parallel group (default: all ranks not used by CFG); the rest are replicas")
+    p.add_argument("--parallel-vae", action="store_true", help="share the VAE decode tiles over the ranks")
+    p.add_argument("--prompts-file", default=None,
+                   help="file with one prompt per line, spread over the replicas (outputs <stem>_000<suffix>, ...)")
     return p.parse_args(argv)
 
 
@@ -101,9 +114,14 @@ def main(argv=None) -> int:
 
     pipe = load_pipeline(args.model, dtype, rank).to(device)
     pipe.set_progress_bar_config(disable=rank != 0)
-    handle = enable_sequence_parallel(pipe, mode=args.mode)
+    handle = enable_sequence_parallel(pipe, mode=args.mode, sp_degree=args.sp_degree, parallel_vae=args.parallel_vae,
+                                      cfg_parallel={"off": False, "on": True, "auto": "auto"}[args.cfg_parallel])
     log.info("%s: mode=%s world_size=%d device=%s dtype=%s", type(pipe).__name__, handle.mode, handle.world_size,
              device, dtype)
+    if handle.num_replicas > 1 or handle.cfg_degree > 1:
+        log.info("replicas=%d cfg=%d sp=%d", handle.num_replicas, handle.cfg_degree, handle.world_size)
+    if args.prompts_file:
+        return _run_prompts_file(args, pipe, handle, group, device, dtype, log)
 
     call = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                 num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
@@ -121,6 +139,8 @@ def main(argv=None) -> int:
         status = torch.zeros(1)
         if rank == 0:
             disable_sequence_parallel(pipe)
+            if args.parallel_vae:  # the parallel decode equals the single-process *tiled* decode
+                pipe.vae.enable_tiling()
             ref = pipe(**call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
             out, ref = torch.as_tensor(frames).double(), torch.as_tensor(ref).double()
             max_abs = (out - ref).abs().max().item()
@@ -134,6 +154,57 @@ def main(argv=None) -> int:
             dist.broadcast(status, src=0)
             ok = bool(status.item())
     if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def _output_path(output: str, index: int) -> str:
+    stem, suffix = os.path.splitext(output)
+    return f"{stem}_{index:03d}{suffix or '.mp4'}"
+
+
+def _run_prompts_file(args, pipe, handle, group, device, dtype, log) -> int:
+    """Prompt i goes to replica i mod num_replicas; that replica's output rank writes it once."""
+    from diffusers.utils import export_to_video
+
+    from diffusers_sp import disable_sequence_parallel
+    from diffusers_sp.replicas import split_for_replica
+
+    with open(args.prompts_file) as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    mine = split_for_replica(prompts, handle.replica_index, handle.num_replicas)
+    call = dict(negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+                num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+                output_type="np")
+    written = {}
+    for index, prompt in mine:
+        start = time.perf_counter()
+        frames = pipe(prompt=prompt, **call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
+        if handle.is_output_rank:
+            path = _output_path(args.output, index)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            export_to_video(list(frames), path, fps=args.fps)
+            written[index] = frames
+            print(f"replica {handle.replica_index}: prompt {index} -> {path} ({time.perf_counter() - start:.2f} s)",
+                  flush=True)
+    ok = True
+    if args.check and handle.is_output_rank:
+        disable_sequence_parallel(pipe)
+        if args.parallel_vae:  # the parallel decode equals the single-process *tiled* decode
+            pipe.vae.enable_tiling()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for index, frames in written.items():
+            ref = pipe(prompt=prompts[index], **call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
+            out, ref = torch.as_tensor(frames).double(), torch.as_tensor(ref).double()
+            rel = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+            ok = ok and rel <= tol
+            print(f"check: prompt {index} max_abs_diff={(out - ref).abs().max().item():.3e} rel_err={rel:.3e} "
+                  f"{'OK' if rel <= tol else 'FAILED'}", flush=True)
+    if dist.is_initialized():
+        status = torch.tensor([1.0 if ok else 0.0], device=device if group.backend == "nccl" else "cpu")
+        dist.all_reduce(status, op=dist.ReduceOp.MIN)
+        ok = bool(status.item())
         dist.barrier()
         dist.destroy_process_group()
     return 0 if ok else 1

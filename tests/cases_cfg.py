@@ -1,0 +1,263 @@
+"""Cases of issue 8 (CFG parallelism, replicas, parallel VAE decode), run on every rank at world sizes 2 and 4.
+
+Used by tests/test_cfg_parallel.py, tests/test_replicas.py and tests/test_vae_parallel.py, which share
+one spawn per world size through :func:`results` (see tests/distributed.py).
+
+Every reference is computed by the same process without any parallelism, before enabling, so a
+bit-for-bit comparison is meaningful (same threads, same kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from diffusers_sp import enable_sequence_parallel
+from diffusers_sp.tiny_models import tiny_tokenizer, tiny_wan_pipeline, tiny_wan_vae
+
+CALL = dict(height=80, width=112, num_frames=17, num_inference_steps=3, output_type="latent")
+PROMPTS = ("a cat runs on the grass", "a red bird flies over the blue water", "a small dog swims in the sky")
+
+
+def compare(ref: torch.Tensor, out: torch.Tensor) -> dict:
+    """Bitwise equality, max abs difference and the reference's scale."""
+    return {"equal": tuple(ref.shape) == tuple(out.shape) and torch.equal(ref, out),
+            "max_abs": (out.double() - ref.double()).abs().max().item() if ref.shape == out.shape else float("inf"),
+            "scale": ref.abs().max().item()}
+
+
+@functools.lru_cache(maxsize=None)
+def _pipe(kind: str):
+    return tiny_wan_pipeline(kind)
+
+
+def _run(pipe, **kw):
+    call = dict(CALL, prompt=PROMPTS[0], negative_prompt="rain", guidance_scale=5.0)
+    call.update(kw)
+    return torch.as_tensor(pipe(**call, generator=torch.Generator().manual_seed(0)).frames)
+
+
+def _cfg_pipeline(kind: str, **kw) -> dict:
+    pipe = _pipe(kind)
+    pipe.set_progress_bar_config(disable=True)
+    ref = _run(pipe, **kw)
+    handle = enable_sequence_parallel(pipe, mode="kv_gather", cfg_parallel=True)
+    try:
+        out = _run(pipe, **kw)
+        out2 = _run(pipe, **kw)  # a second call: state from the first must not leak into it
+        stats = [dict(h.stats) for h in handle._cfg_hooks]
+        layout = dict(cfg_rank=handle.cfg_rank, cfg_degree=handle.cfg_degree, sp=handle.world_size,
+                      num_replicas=handle.num_replicas, replica_index=handle.replica_index)
+    finally:
+        handle.disable()
+    restored = torch.equal(_run(pipe, **kw), ref)
+    return {"cmp": compare(ref, out), "cmp2": compare(ref, out2), "stats": stats, "layout": layout,
+            "restored": restored}
+
+
+def case_cfg_wan_t2v():
+    return _cfg_pipeline("t2v")
+
+
+def case_cfg_wan_i2v():
+    from PIL import Image
+
+    image = Image.fromarray((torch.rand(80, 112, 3, generator=torch.Generator().manual_seed(3)) * 255)
+                            .to(torch.uint8).numpy())
+    return _cfg_pipeline("i2v", image=image)
+
+
+def case_cfg_wan22_two_transformers():
+    return _cfg_pipeline("t2v_moe")
+
+
+def case_cfg_wan_guidance_off():
+    """guidance_scale 1: no uncond call; both CFG groups compute every call (exact, no speed-up)."""
+    return _cfg_pipeline("t2v", guidance_scale=1.0)
+
+
+def _tiny_cogvideox_pipeline():
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline
+    from transformers import T5Config, T5EncoderModel
+
+    from diffusers_sp.tiny_models import tiny_cogvideox_transformer
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLCogVideoX(in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+                                 up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8),
+                                 latent_channels=4, layers_per_block=1, norm_num_groups=2,
+                                 temporal_compression_ratio=4).eval()
+    text_encoder = T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_heads=4,
+                                           relative_attention_num_buckets=8)).eval()
+    pipe = CogVideoXPipeline(tokenizer=tiny_tokenizer(), text_encoder=text_encoder, vae=vae,
+                             transformer=tiny_cogvideox_transformer(), scheduler=CogVideoXDDIMScheduler())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def case_cfg_batched_cogvideox():
+    """CogVideoX folds uncond and cond into a batch of 2: each CFG group runs one half."""
+    pipe = _tiny_cogvideox_pipeline()
+    call = dict(prompt=PROMPTS[0], negative_prompt="rain", height=112, width=80, num_frames=9, num_inference_steps=3,
+                guidance_scale=6.0, max_sequence_length=8, output_type="latent")
+    ref = torch.as_tensor(pipe(**call, generator=torch.Generator().manual_seed(0)).frames)
+    handle = enable_sequence_parallel(pipe, mode="kv_gather", cfg_parallel=True)
+    try:
+        out = torch.as_tensor(pipe(**call, generator=torch.Generator().manual_seed(0)).frames)
+        stats = [dict(h.stats) for h in handle._cfg_hooks]
+    finally:
+        handle.disable()
+    return {"cmp": compare(ref, out), "stats": stats}
+
+
+def case_cfg_auto():
+    pipe = _pipe("t2v")
+    handle = enable_sequence_parallel(pipe, mode="auto", cfg_parallel="auto")
+    try:
+        return {"cfg_degree": handle.cfg_degree, "sp": handle.world_size}
+    finally:
+        handle.disable()
+
+
+def case_replicas_prompts():
+    """sp_degree = world / 2: two replicas; the prompts are spread over them, each output written once."""
+    from diffusers_sp.replicas import split_for_replica
+
+    pipe = _pipe("t2v")
+    world = dist.get_world_size()
+    handle = enable_sequence_parallel(pipe, mode="kv_gather", sp_degree=world // 2)
+    outputs = {}
+    try:
+        for index, prompt in split_for_replica(list(PROMPTS), handle.replica_index, handle.num_replicas):
+            out = _run(pipe, prompt=prompt)
+            if handle.is_output_rank:
+                outputs[index] = out
+        info = dict(replica_index=handle.replica_index, num_replicas=handle.num_replicas, sp=handle.world_size,
+                    rank=handle.rank, output_rank=handle.is_output_rank)
+    finally:
+        handle.disable()
+    refs = {}
+    if dist.get_rank() == 0:  # single-process references, one per prompt
+        refs = {i: _run(pipe, prompt=p) for i, p in enumerate(PROMPTS)}
+    return {"outputs": outputs, "info": info, "refs": refs}
+
+
+def _tiled_vae():
+    vae = tiny_wan_vae()
+    # 32-pixel tiles with a 24-pixel stride: a 7 x 10 latent (56 x 80 pixels) decodes as 3 x 4 = 12 tiles,
+    # a 10 x 14 latent (the pipeline case) as 4 x 5 = 20.
+    vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24,
+                      tile_sample_stride_width=24)
+    return vae
+
+
+def case_vae_wan_tiled_decode():
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.vae import make_parallel_tiled_decode, track_peak_memory
+
+    vae = _tiled_vae()
+    z = torch.randn(1, 16, 2, 7, 10, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        with track_peak_memory() as single_mem:
+            ref = vae.decode(z).sample
+        parallel = make_parallel_tiled_decode(vae, resolve_group())
+        with track_peak_memory() as par_mem:
+            out = parallel(z).sample
+    return {"cmp": compare(ref, out), "peak_single": single_mem.peak, "peak_parallel": par_mem.peak,
+            "output_bytes": ref.numel() * ref.element_size()}
+
+
+def case_vae_wan_pipeline():
+    """parallel_vae=True through the pipeline (decoded frames) against one process with the same tiling."""
+    pipe = _pipe("t2v")
+    original_vae = pipe.vae
+    pipe.vae = _tiled_vae()
+    try:
+        ref = _run(pipe, output_type="pt")
+        handle = enable_sequence_parallel(pipe, mode="kv_gather", parallel_vae=True)
+        try:
+            out = _run(pipe, output_type="pt")
+        finally:
+            handle.disable()
+        restored = "tiled_decode" not in vars(pipe.vae) and pipe.vae.use_tiling
+    finally:
+        pipe.vae = original_vae
+    return {"cmp": compare(ref, out), "restored": restored}
+
+
+def _check_vae(vae, z, **kw):
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.vae import make_parallel_tiled_decode
+
+    with torch.no_grad():
+        ref = vae.tiled_decode(z, **kw).sample
+        out = make_parallel_tiled_decode(vae, resolve_group())(z, **kw).sample
+    return compare(ref, out)
+
+
+def _vae_hunyuan_video():
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo(in_channels=3, out_channels=3, latent_channels=4,
+                                    down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+                                    up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8),
+                                    layers_per_block=1, norm_num_groups=4, spatial_compression_ratio=8,
+                                    temporal_compression_ratio=4).eval()
+    vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24,
+                      tile_sample_stride_width=24)
+    return _check_vae(vae, torch.randn(1, 4, 2, 9, 11, generator=torch.Generator().manual_seed(1)))
+
+
+def _vae_cogvideox():
+    from diffusers import AutoencoderKLCogVideoX
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLCogVideoX(in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+                                 up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8),
+                                 latent_channels=4, layers_per_block=1, norm_num_groups=2,
+                                 temporal_compression_ratio=4).eval()
+    vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_overlap_factor_height=0.25,
+                      tile_overlap_factor_width=0.25)
+    return _check_vae(vae, torch.randn(1, 4, 3, 9, 11, generator=torch.Generator().manual_seed(1)))
+
+
+def _vae_ltx():
+    from diffusers import AutoencoderKLLTXVideo
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLLTXVideo(
+        in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1), spatio_temporal_scaling=(True, True, False, False),
+        decoder_spatio_temporal_scaling=(True, True, False, False), decoder_inject_noise=(False,) * 5,
+        upsample_residual=(False,) * 4, upsample_factor=(1, 1, 1, 1), timestep_conditioning=False, patch_size=1,
+        patch_size_t=1, encoder_causal=True, decoder_causal=False).eval()
+    vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=12,
+                      tile_sample_stride_width=12)
+    return _check_vae(vae, torch.randn(1, 8, 2, 9, 11, generator=torch.Generator().manual_seed(1)), temb=None)
+
+
+def case_vae_other_families():
+    """HunyuanVideo, CogVideoX and LTX VAEs (tiny, random weights): shared tiles equal their own tiled_decode."""
+    return {"hunyuan_video": _vae_hunyuan_video(), "cogvideox": _vae_cogvideox(), "ltx": _vae_ltx()}
+
+
+def case_group_usable_after():
+    x = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(x)
+    return x.item()
+
+
+_RESULTS: dict = {}
+
+
+def results(world_size: int) -> dict:
+    """``run_cases("cases_cfg", world_size)``, run once per world size per pytest session."""
+    from distributed import run_cases
+
+    if world_size not in _RESULTS:
+        _RESULTS[world_size] = run_cases("cases_cfg", world_size)
+    return _RESULTS[world_size]
