@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--output", default="outputs/video.mp4",
                    help="video file written by rank 0 (.mp4 through imageio-ffmpeg, or .gif)")
+    p.add_argument("--vsa-sparsity", type=float, default=0.9,
+                   help="with --mode vsa: fraction of key tiles each query tile skips (default 0.9)")
     p.add_argument("--check", action="store_true",
                    help="rank 0 also runs without sequence parallelism and compares")
     p.add_argument("--cfg-parallel", default="off", choices=["off", "on", "auto"],
@@ -93,7 +95,7 @@ def load_pipeline(model: str | None, dtype: torch.dtype, rank: int):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from diffusers_sp import disable_sequence_parallel, enable_sequence_parallel
+    from diffusers_sp import enable_sequence_parallel
     from diffusers_sp.groups import resolve_group
 
     group = resolve_group()  # accelerate.PartialState: NCCL on CUDA, gloo on CPU
@@ -114,14 +116,21 @@ def main(argv=None) -> int:
 
     pipe = load_pipeline(args.model, dtype, rank).to(device)
     pipe.set_progress_bar_config(disable=rank != 0)
+    vsa_options = {"vsa_sparsity": args.vsa_sparsity} if args.mode == "vsa" else {}
     handle = enable_sequence_parallel(pipe, mode=args.mode, sp_degree=args.sp_degree, parallel_vae=args.parallel_vae,
-                                      cfg_parallel={"off": False, "on": True, "auto": "auto"}[args.cfg_parallel])
+                                      cfg_parallel={"off": False, "on": True, "auto": "auto"}[args.cfg_parallel],
+                                      **vsa_options)
+    # --check compares with one process. For VSA that is single-process VSA (sparse attention is not
+    # dense attention): the checking rank re-enables VSA on a one-rank group. new_group is collective,
+    # so every rank creates every one-rank group.
+    solo_groups = ([dist.new_group([r]) for r in range(dist.get_world_size())]
+                   if args.check and args.mode == "vsa" and dist.is_initialized() else None)
     log.info("%s: mode=%s world_size=%d device=%s dtype=%s", type(pipe).__name__, handle.mode, handle.world_size,
              device, dtype)
     if handle.num_replicas > 1 or handle.cfg_degree > 1:
         log.info("replicas=%d cfg=%d sp=%d", handle.num_replicas, handle.cfg_degree, handle.world_size)
     if args.prompts_file:
-        return _run_prompts_file(args, pipe, handle, group, device, dtype, log)
+        return _run_prompts_file(args, pipe, handle, group, device, dtype, log, solo_groups)
 
     call = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                 num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
@@ -138,9 +147,7 @@ def main(argv=None) -> int:
     if args.check:
         status = torch.zeros(1)
         if rank == 0:
-            disable_sequence_parallel(pipe)
-            if args.parallel_vae:  # the parallel decode equals the single-process *tiled* decode
-                pipe.vae.enable_tiling()
+            _single_process(pipe, args, solo_groups)
             ref = pipe(**call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
             out, ref = torch.as_tensor(frames).double(), torch.as_tensor(ref).double()
             max_abs = (out - ref).abs().max().item()
@@ -159,16 +166,26 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
+def _single_process(pipe, args, solo_groups) -> None:
+    """Turns ``pipe`` into its one-process reference: no sequence parallelism (VSA on a one-rank
+    group for ``--mode vsa``), and the VAE's tiled decode when ``--parallel-vae`` was on."""
+    from diffusers_sp import disable_sequence_parallel, enable_sequence_parallel
+
+    disable_sequence_parallel(pipe)
+    if args.mode == "vsa":
+        solo = solo_groups[dist.get_rank()] if solo_groups else None
+        enable_sequence_parallel(pipe, mode="vsa", process_group=solo, vsa_sparsity=args.vsa_sparsity)
+    if args.parallel_vae:  # the parallel decode equals the single-process *tiled* decode
+        pipe.vae.enable_tiling()
+
+
 def _output_path(output: str, index: int) -> str:
     stem, suffix = os.path.splitext(output)
     return f"{stem}_{index:03d}{suffix or '.mp4'}"
 
 
-def _run_prompts_file(args, pipe, handle, group, device, dtype, log) -> int:
+def _run_prompts_file(args, pipe, handle, group, device, dtype, log, solo_groups) -> int:
     """Prompt i goes to replica i mod num_replicas; that replica's output rank writes it once."""
-    from diffusers.utils import export_to_video
-
-    from diffusers_sp import disable_sequence_parallel
     from diffusers_sp.replicas import split_for_replica
 
     with open(args.prompts_file) as f:
@@ -183,16 +200,13 @@ def _run_prompts_file(args, pipe, handle, group, device, dtype, log) -> int:
         frames = pipe(prompt=prompt, **call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
         if handle.is_output_rank:
             path = _output_path(args.output, index)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            export_to_video(list(frames), path, fps=args.fps)
+            write_video(frames, path, args.fps)
             written[index] = frames
             print(f"replica {handle.replica_index}: prompt {index} -> {path} ({time.perf_counter() - start:.2f} s)",
                   flush=True)
     ok = True
     if args.check and handle.is_output_rank:
-        disable_sequence_parallel(pipe)
-        if args.parallel_vae:  # the parallel decode equals the single-process *tiled* decode
-            pipe.vae.enable_tiling()
+        _single_process(pipe, args, solo_groups)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         for index, frames in written.items():
             ref = pipe(prompt=prompts[index], **call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 
 from diffusers_sp import SequenceParallelConfigError, disable_sequence_parallel, enable_sequence_parallel
 from diffusers_sp import tiny_models as tm

@@ -29,7 +29,7 @@ def _launch(tmp_path, *extra):
     return proc, out
 
 
-@pytest.mark.parametrize("extra", [(), ("--num_processes", "3", "--mode", "ulysses")], ids=["P2-auto", "P3-ulysses"])
+@pytest.mark.parametrize("extra", [(), ("--num_processes", "3", "--mode", "vsa")], ids=["P2-auto", "P3-vsa"])
 def test_generate_video_check_ok(tmp_path, extra):
     proc, out = _launch(tmp_path, *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import errors, run_cases, values
+from distributed import run_cases, values
 
 WORLD_SIZES = (2, 3, 4)
 TOL = 1e-5  # max abs diff relative to the output's scale (DESIGN.md, Testing)
