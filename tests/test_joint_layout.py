@@ -93,5 +93,7 @@ def test_auto_never_picks_a_failing_mode(heads, world):
 
 def test_registry_modes_and_layouts():
     for fam in FAMILIES:
-        assert set(fam.modes) <= {"ulysses", "kv_gather"}
+        assert {"ulysses", "kv_gather"} <= set(fam.modes) <= {"ulysses", "kv_gather", "vsa"}
+        # VSA needs the latent grid and no text inside self-attention.
+        assert ("vsa" in fam.modes) == (fam.latent_grid is not None and fam.joint_text is None and fam.is_video)
         assert fam.joint_text in (None, "prefix", "suffix")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,15 +42,34 @@ from .ulysses import gather_heads, scatter_heads
 VSA_DEFAULTS = {"vsa_sparsity": 0.9, "vsa_tile_size": (4, 4, 4), "vsa_sp_mode": "auto", "vsa_gate_weights": None}
 
 
-@functools.lru_cache(maxsize=16)
-def tile_plan(grid: tuple[int, int, int], tile: tuple[int, int, int], world_size: int):
-    """The tile layout of ``grid`` and how its tiles and tokens are shared out over ``world_size`` ranks.
+@dataclass(frozen=True, eq=False)
+class TilePlan:
+    """How one latent grid's tiles and tokens are shared out over the ranks (device tensors).
 
-    Returns:
-        ``(layout, tile_ranges, order)``: the :class:`~diffusers_sp.kernels.vsa.TileLayout`
-        (CPU tensors); per rank the ``(start, end)`` of its contiguous range of whole tiles
-        (balanced, the first ``N mod P`` ranks one tile more); and the
-        :class:`~diffusers_sp.sharding.TokenOrder` (tile order, tokens per rank).
+    Attributes:
+        layout: The :class:`~diffusers_sp.kernels.vsa.TileLayout` (CPU tensors).
+        ranges: Per rank, the ``(start, end)`` of its contiguous range of whole tiles (balanced, the
+            first ``N mod P`` ranks one tile more).
+        order: The :class:`~diffusers_sp.sharding.TokenOrder`: tile order, tokens per rank.
+        block_sizes: ``LongTensor [N]`` valid tokens per tile, on the device.
+        slots: ``LongTensor``: for the valid tokens of all tiles, in tile order, their slot in the
+            padded ``[N * V]`` layout, on the device.
+        rank_slots: Per rank, the same for its own tiles, relative to its first tile.
+    """
+
+    layout: object
+    ranges: tuple
+    order: TokenOrder
+    block_sizes: torch.Tensor
+    slots: torch.Tensor
+    rank_slots: tuple
+
+
+@functools.lru_cache(maxsize=16)
+def tile_plan(grid: tuple[int, int, int], tile: tuple[int, int, int], world_size: int,
+              device: torch.device = torch.device("cpu")) -> TilePlan:
+    """The :class:`TilePlan` of ``grid`` cut into ``tile`` over ``world_size`` ranks, its index tensors
+    on ``device``. Cached: built (and copied to the device) once per grid, not once per layer.
 
     Raises:
         SequenceParallelConfigError: fewer tiles than ranks.
@@ -65,8 +85,10 @@ def tile_plan(grid: tuple[int, int, int], tile: tuple[int, int, int], world_size
     ranges = tuple((s, s + c) for s, c in zip(starts, counts))
     perm = layout.tiled_index[layout.tiled_index >= 0]
     sizes = tuple(int(layout.block_sizes[s:e].sum()) for s, e in ranges)
-    order = TokenOrder(perm=perm, inverse=torch.argsort(perm), sizes=sizes)
-    return layout, ranges, order
+    order = TokenOrder(perm=perm.to(device), inverse=torch.argsort(perm).to(device), sizes=sizes)
+    return TilePlan(layout=layout, ranges=ranges, order=order, block_sizes=layout.block_sizes.to(device),
+                    slots=_slot_index(layout, 0, layout.num_tiles).to(device),
+                    rank_slots=tuple(_slot_index(layout, s, e).to(device) for s, e in ranges))
 
 
 def _slot_index(layout, start: int, end: int) -> torch.Tensor:
@@ -79,14 +101,14 @@ def _to_tiles(x: torch.Tensor, slots: torch.Tensor, num_tiles: int, volume: int)
     """``[B, H, L, D]`` tile-ordered tokens -> ``[B, H, num_tiles, V, D]`` with zero padded slots."""
     B, H, _, D = x.shape
     out = x.new_zeros(B, H, num_tiles * volume, D)
-    out.index_copy_(2, slots.to(x.device), x)
+    out.index_copy_(2, slots, x)
     return out.view(B, H, num_tiles, volume, D)
 
 
 def _from_tiles(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`_to_tiles`: ``[B, H, N, V, D]`` -> ``[B, H, L, D]`` (valid slots only)."""
     B, H, N, V, D = x.shape
-    return x.reshape(B, H, N * V, D).index_select(2, slots.to(x.device))
+    return x.reshape(B, H, N * V, D).index_select(2, slots)
 
 
 def load_gate_weights(path: str | os.PathLike, num_layers: int, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -139,7 +161,7 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
     Args:
         inner: The model's self-attention processor (Wan: ``WanAttnProcessor`` of ``blocks.i.attn1``).
         state: The model's :class:`~diffusers_sp.sharding.SequenceState`; ``state.extra["vsa"]``
-            holds ``(layout, tile_ranges)`` for the current forward, set by :class:`TileOrderHook`.
+            holds the :class:`TilePlan` of the current forward, set by :class:`TileOrderHook`.
         sparsity: Fraction of key tiles each query tile skips, in ``[0, 1)``.
         sp_mode: Communication underneath: ``"ulysses"`` or ``"kv_gather"``.
         gate: ``None`` (zero gate: pure block-sparse attention) or ``(weight [dim, dim], bias [dim])``
@@ -179,27 +201,27 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
         if text_len or key_mask is not None:
             raise SequenceParallelConfigError(
                 f"{type(self.inner).__name__}: VSA supports video self-attention without text tokens or masks.")
-        layout, ranges = self.state.extra["vsa"]
-        group, V = self.state.group, layout.tile_volume
-        sizes_kv = layout.block_sizes.to(query.device)
+        plan: TilePlan = self.state.extra["vsa"]
+        layout, group = plan.layout, self.state.group
+        V, N = layout.tile_volume, layout.num_tiles
         if self.sp_mode == "kv_gather" or group.world_size == 1:
-            start, end = ranges[group.rank]
+            start, end = plan.ranges[group.rank]
+            mine = plan.rank_slots[group.rank]
             k, v = gather_kv(key, value, sizes, group)
-            mine, every = _slot_index(layout, start, end), _slot_index(layout, 0, layout.num_tiles)
             gate = None if self._gate is None else _to_tiles(self._gate, mine, end - start, V)
             out = video_sparse_attention(
-                _to_tiles(query, mine, end - start, V), _to_tiles(k, every, layout.num_tiles, V),
-                _to_tiles(v, every, layout.num_tiles, V), q_block_sizes=sizes_kv[start:end],
-                kv_block_sizes=sizes_kv, sparsity=self.sparsity, gate=gate, scale=scale, backend=self.backend)
+                _to_tiles(query, mine, end - start, V), _to_tiles(k, plan.slots, N, V), _to_tiles(v, plan.slots, N, V),
+                q_block_sizes=plan.block_sizes[start:end], kv_block_sizes=plan.block_sizes, sparsity=self.sparsity,
+                gate=gate, scale=scale, backend=self.backend)
             return _from_tiles(out, mine)
         tensors = [query, key, value] + ([] if self._gate is None else [self._gate])
         full = scatter_heads(tensors, sizes, group)  # [B, h_r, S, D] each, tile order
-        every = _slot_index(layout, 0, layout.num_tiles)
-        tiles = [_to_tiles(t, every, layout.num_tiles, V) for t in full]
-        out = video_sparse_attention(tiles[0], tiles[1], tiles[2], q_block_sizes=sizes_kv, kv_block_sizes=sizes_kv,
+        tiles = [_to_tiles(t, plan.slots, N, V) for t in full]
+        out = video_sparse_attention(tiles[0], tiles[1], tiles[2], q_block_sizes=plan.block_sizes,
+                                     kv_block_sizes=plan.block_sizes,
                                      sparsity=self.sparsity, gate=tiles[3] if len(tiles) > 3 else None,
                                      scale=scale, backend=self.backend)
-        joined = gather_heads(_from_tiles(out, every), sizes, group, num_heads=query.shape[1])  # [S_r, B, H, D]
+        joined = gather_heads(_from_tiles(out, plan.slots), sizes, group, num_heads=query.shape[1])  # [S_r, B, H, D]
         return joined.permute(1, 2, 0, 3)
 
 
@@ -220,7 +242,8 @@ class TileOrderHook(ModelHook):
 
     def pre_forward(self, module, *args, **kwargs):
         grid = tuple(int(g) for g in self.latent_grid(module, args, kwargs))
-        layout, ranges, order = tile_plan(grid, self.tile, self.state.group.world_size)
-        self.state.order = order
-        self.state.extra["vsa"] = (layout, ranges)
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        plan = tile_plan(grid, self.tile, self.state.group.world_size, hidden.device)
+        self.state.order = plan.order
+        self.state.extra["vsa"] = plan
         return args, kwargs
