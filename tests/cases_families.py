@@ -13,8 +13,10 @@ import functools
 
 import torch
 
-from diffusers_sp import SequenceParallelConfigError, disable_sequence_parallel, enable_sequence_parallel
+from diffusers_sp import disable_sequence_parallel, enable_sequence_parallel
 from diffusers_sp import tiny_models as tm
+
+from distributed import error_of
 
 MODES = ("ulysses", "kv_gather")
 
@@ -271,14 +273,6 @@ def case_pipeline_mochi():
 # ------------------------------------------------------------------ errors and mode choice
 
 
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except SequenceParallelConfigError as exc:
-        return str(exc)
-    return "no error"
-
-
 def case_error_query_dependent_mask():
     """A [B, 1, Lq, Lk] mask reaching a wrapped processor raises on every rank, in both modes."""
     g = _gen()
@@ -297,7 +291,7 @@ def case_error_query_dependent_mask():
                           pooled_projections=torch.randn(2, 32), timestep=torch.tensor([0.5, 0.5]), img_ids=ids,
                           txt_ids=torch.zeros(7, 3), joint_attention_kwargs={"attention_mask": mask})
             handle._models[0].state.seq_len = 35  # shard sizes are known before the first forward here
-            out[mode] = _error_of(call)
+            out[mode] = error_of(call)
         finally:
             handle.disable()
     return out
@@ -305,14 +299,14 @@ def case_error_query_dependent_mask():
 
 def case_error_hunyuan_token_replace():
     model = tm.tiny_hunyuan_video_transformer(image_condition_type="token_replace", in_channels=4)
-    return _error_of(lambda: enable_sequence_parallel(model, mode="kv_gather"))
+    return error_of(lambda: enable_sequence_parallel(model, mode="kv_gather"))
 
 
 def case_error_ulysses_fewer_heads_than_ranks():
     """CogVideoX with 1 head: Ulysses raises recommending kv_gather; auto picks kv_gather, which runs exactly."""
     g = _gen()
     model = tm.tiny_cogvideox_transformer(num_attention_heads=1, attention_head_dim=16)
-    msg = _error_of(lambda: enable_sequence_parallel(model, mode="ulysses"))
+    msg = error_of(lambda: enable_sequence_parallel(model, mode="ulysses"))
     kwargs = dict(hidden_states=torch.randn(2, 1, 4, 10, 14, generator=g),
                   encoder_hidden_states=torch.randn(2, 8, 32, generator=g), timestep=torch.tensor([500, 250]))
     with torch.no_grad():

@@ -12,8 +12,10 @@ import functools
 import torch
 import torch.distributed as dist
 
-from diffusers_sp import SequenceParallelConfigError, disable_sequence_parallel, enable_sequence_parallel
+from diffusers_sp import disable_sequence_parallel, enable_sequence_parallel
 from diffusers_sp.tiny_models import tiny_wan_pipeline, tiny_wan_transformer
+
+from distributed import error_of
 
 MODES = ("ulysses", "kv_gather")
 TOKENS = 5 * 5 * 7
@@ -132,36 +134,28 @@ def case_random_draws_agree():
     return {"latents": latents, "after": after}
 
 
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except SequenceParallelConfigError as exc:
-        return str(exc)
-    return "no error"
-
-
 def case_error_ulysses_too_few_heads():
     model = tiny_wan_transformer(num_attention_heads=1)
-    return _error_of(lambda: enable_sequence_parallel(model, mode="ulysses"))
+    return error_of(lambda: enable_sequence_parallel(model, mode="ulysses"))
 
 
 def case_error_unknown_mode():
-    return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="ring"))
+    return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="ring"))
 
 
 def case_error_vsa_bad_sparsity():
-    return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="vsa", vsa_sparsity=1.5))
+    return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="vsa", vsa_sparsity=1.5))
 
 
 def case_error_unknown_option():
-    return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="auto", sparsity=0.5))
+    return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="auto", sparsity=0.5))
 
 
 def case_error_already_enabled():
     model = tiny_wan_transformer()
     handle = enable_sequence_parallel(model, mode="kv_gather")
     try:
-        return _error_of(lambda: enable_sequence_parallel(model, mode="ulysses"))
+        return error_of(lambda: enable_sequence_parallel(model, mode="ulysses"))
     finally:
         handle.disable()
 
@@ -169,11 +163,11 @@ def case_error_already_enabled():
 def case_error_unsupported_model():
     from diffusers import AutoencoderKLWan
 
-    return _error_of(lambda: enable_sequence_parallel(AutoencoderKLWan(base_dim=3, z_dim=4), mode="auto"))
+    return error_of(lambda: enable_sequence_parallel(AutoencoderKLWan(base_dim=3, z_dim=4), mode="auto"))
 
 
 def case_error_bad_process_group():
-    return _error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), process_group="world"))
+    return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), process_group="world"))
 
 
 def case_group_usable_after_errors():

@@ -67,6 +67,17 @@ def _worker(local_rank: int, world_size: int, port: int, module: str, cases: lis
         dist.destroy_process_group()
 
 
+def error_of(fn) -> str:
+    """Runs ``fn`` inside a case: the message of the SequenceParallelConfigError it raises, or "no error"."""
+    from diffusers_sp import SequenceParallelConfigError
+
+    try:
+        fn()
+    except SequenceParallelConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
 def case_names(module) -> list[str]:
     """Names of the ``case_*`` functions of ``module``, in definition order."""
     return [n[len("case_"):] for n in vars(module) if n.startswith("case_") and callable(getattr(module, n))]
