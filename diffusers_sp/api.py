@@ -169,6 +169,21 @@ def _patch_prepare_latents(pipe, group: SPGroup, handle: SequenceParallelHandle)
     handle._pipeline_patches.append((pipe, "prepare_latents"))
 
 
+# Diffusers' caches (First Block Cache, MagCache, TaylorSeer, FasterCache, PAB) decide from the
+# activations whether to skip blocks; under sequence parallelism each rank sees only its shard and
+# would decide differently, and the ranks' collectives would no longer match.
+_CACHE_CONFLICT = (
+    "{name}: {model} has a Diffusers cache enabled (enable_cache). Its skip decisions are taken on each "
+    "rank's own shard of the tokens, so the ranks would disagree and their collectives desynchronise. "
+    "Call transformer.disable_cache() to use sequence parallelism, or run the cache without it.")
+
+
+def _check_no_cache(model) -> None:
+    """Raises SequenceParallelConfigError when a Diffusers cache was enabled after sequence parallelism."""
+    if getattr(model, "is_cache_enabled", False):
+        raise SequenceParallelConfigError(_CACHE_CONFLICT.format(name=type(model).__name__, model=type(model).__name__))
+
+
 def _gate_paths(spec, traits: PipelineTraits) -> list:
     """``vsa_gate_weights`` as one path (or None) per transformer of ``traits``.
 
@@ -255,6 +270,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                             cfg_capable=family.name in _cfg.TWO_CALL_FAMILIES + _cfg.BATCHED_FAMILIES,
                             process_group=process_group)
     resolved = validate_mode(mode, traits, layout.sp_degree)
+    cached = [type(m).__name__ for _, m in models if getattr(m, "is_cache_enabled", False)]
+    if cached:
+        raise SequenceParallelConfigError(_CACHE_CONFLICT.format(name=traits.name, model=cached[0]))
     vsa = None
     if resolved == "vsa":
         sparsity, tile, sp_mode = validate_vsa(
@@ -294,7 +312,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     processor_cls = PROCESSORS[resolved]
     for index, ((_, model), model_traits) in enumerate(zip(models, traits.models)):
         # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
-        state = SequenceState(group, extra={"joint_text": model_traits.joint_text})
+        state = SequenceState(group, extra={"joint_text": model_traits.joint_text},
+                              check=functools.partial(_check_no_cache, model))
         installed = _InstalledModel(model, state, hooks=[], processors=[])
         handle._models.append(installed)
         installed.hooks = apply_plan(model, family.sharding_plan(model), state)

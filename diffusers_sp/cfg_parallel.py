@@ -58,6 +58,10 @@ from .groups import ParallelGroups, SPGroup
 TWO_CALL_FAMILIES = ("wan", "flux", "qwenimage", "hunyuan_video")
 #: Families whose pipelines stack uncond and cond into one batch of 2.
 BATCHED_FAMILIES = ("cogvideox", "ltx", "mochi", "sd3")
+#: Families whose default call has no classifier-free guidance (guidance-distilled Flux and
+#: HunyuanVideo; QwenImage without a negative prompt): ``cfg_parallel="auto"`` leaves CFG
+#: parallelism off for them, since a call without CFG gains nothing from it.
+CFG_OPTIONAL_FAMILIES = ("flux", "qwenimage", "hunyuan_video")
 #: Max abs difference relative to the output's scale for the batched path (float32, CPU): a batch of
 #: 1 and a batch of 2 differ by matmul rounding only (measured ~1e-7 on the tiny models).
 BATCHED_TOLERANCE = 1e-5
@@ -91,6 +95,9 @@ def choose_cfg_parallel(family: str | None, world_size: int, sp_degree: int | No
     """
     if not cfg_capable:
         return False, "no classifier-free guidance in this target"
+    if family in CFG_OPTIONAL_FAMILIES:
+        return False, (f"{family} pipelines run without classifier-free guidance by default; pass "
+                       f"cfg_parallel=True for calls with true CFG")
     if world_size % 2 or world_size < 2:
         return False, f"odd world size {world_size}"
     if sp_degree is not None and world_size % (2 * sp_degree):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -79,12 +79,15 @@ class SequenceState:
         extra: Family-specific per-forward values (for example the text length of joint attention).
         order: ``None`` (shards of the sequence as it is) or a :class:`TokenOrder` for the current
             forward, set by a hook of the mode that needs it (VSA).
+        check: Called before each split; raises (identically on every rank) when the model was changed
+            in a way sequence parallelism cannot follow (e.g. a Diffusers cache enabled afterwards).
     """
 
     group: SPGroup
     seq_len: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     order: TokenOrder | None = None
+    check: Callable[[], None] | None = None
 
     def shard_sizes(self) -> list[int]:
         """Tokens held by each rank for the current forward."""
@@ -115,6 +118,8 @@ class SequenceSplitHook(ModelHook):
     def _split(self, x, spec: ContextParallelInput):
         if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
             return x
+        if self.state.check is not None:
+            self.state.check()
         group = self.state.group
         length = x.shape[spec.split_dim]
         if length < group.world_size:

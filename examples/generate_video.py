@@ -93,8 +93,26 @@ def load_pipeline(model: str | None, dtype: torch.dtype, rank: int):
     return DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
 
 
+VIDEO_SUFFIXES = (".mp4", ".gif", ".mov", ".mkv", ".webm", ".avi")
+
+
+def checked_output(path: str) -> str:
+    """``--output`` with ``.mp4`` added when it has no suffix.
+
+    Raises:
+        SystemExit: an unknown video suffix, before any work, on every rank alike.
+    """
+    suffix = os.path.splitext(path)[1].lower()
+    if not suffix:
+        return path + ".mp4"
+    if suffix not in VIDEO_SUFFIXES:
+        raise SystemExit(f"--output {path!r}: unknown video format {suffix!r}; use one of {VIDEO_SUFFIXES}")
+    return path
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.output = checked_output(args.output)
     from diffusers_sp import enable_sequence_parallel
     from diffusers_sp.groups import resolve_group
 

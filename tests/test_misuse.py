@@ -1,0 +1,63 @@
+"""Combinations found by adversarial testing: each must fail clearly (or choose well), never desync ranks."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers.hooks import FirstBlockCacheConfig
+
+from diffusers_sp import SequenceParallelConfigError, enable_sequence_parallel
+from diffusers_sp.cfg_parallel import choose_cfg_parallel
+from diffusers_sp.tiny_models import tiny_wan_transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kwargs():
+    return dict(hidden_states=torch.randn(1, 16, 5, 10, 14), timestep=torch.tensor([500.0]),
+                encoder_hidden_states=torch.randn(1, 7, 32))
+
+
+def test_cache_enabled_before_is_refused():
+    # First Block Cache decides from each rank's own shard: ranks would skip different blocks.
+    model = tiny_wan_transformer()
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    with pytest.raises(SequenceParallelConfigError, match=r"cache.*disable_cache"):
+        enable_sequence_parallel(model, mode="kv_gather")
+
+
+def test_cache_enabled_after_is_refused_at_the_next_forward():
+    model = tiny_wan_transformer()
+    handle = enable_sequence_parallel(model, mode="kv_gather")
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    with torch.no_grad(), pytest.raises(SequenceParallelConfigError, match="disable_cache"):
+        model(**_kwargs())
+    model.disable_cache()
+    with torch.no_grad():
+        model(**_kwargs())  # runs again once the cache is off
+    handle.disable()
+
+
+@pytest.mark.parametrize("family,expected", [("wan", True), ("sd3", True), ("flux", False),
+                                             ("qwenimage", False), ("hunyuan_video", False)])
+def test_cfg_parallel_auto_stays_off_where_cfg_is_optional(family, expected):
+    use, reason = choose_cfg_parallel(family, 2, None, cfg_capable=True)
+    assert use is expected, reason
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("generate_video", ROOT / "examples/generate_video.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_output_suffix_checked_before_any_work():
+    example = _example()
+    assert example.checked_output("out/video") == "out/video.mp4"
+    assert example.checked_output("a.GIF") == "a.GIF"
+    with pytest.raises(SystemExit, match="unknown video format"):
+        example.main(["--output", "video.txt"])
