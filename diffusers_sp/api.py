@@ -47,7 +47,9 @@ class SequenceParallelHandle:
     """What :func:`enable_sequence_parallel` installed.
 
     Attributes:
-        mode: The mode that runs (``"ulysses"`` or ``"kv_gather"``; ``"auto"`` resolved).
+        mode: The mode that runs (``"ulysses"``, ``"kv_gather"`` or ``"vsa"``; ``"auto"`` resolved).
+        sp_mode: The communication that runs: ``mode`` itself, or for VSA its resolved
+            ``vsa_sp_mode`` (``"ulysses"`` or ``"kv_gather"``).
         rank: This process's rank in the sequence-parallel group.
         world_size: Ranks in the group (1: nothing is split).
         traits: The pipeline's traits as read at enable time.
@@ -60,6 +62,7 @@ class SequenceParallelHandle:
     traits: PipelineTraits
     group: SPGroup
     target: object = field(repr=False)
+    sp_mode: str = ""
     _models: list = field(default_factory=list, repr=False)
     _pipeline_patches: list = field(default_factory=list, repr=False)
     # Issue 8: replicas x cfg x sp layout (see diffusers_sp.replicas / cfg_parallel / vae).
@@ -240,7 +243,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             ``blocks.{i}.to_gate_compress.{weight,bias}``; ``None``: zero gate).
 
     Returns:
-        A :class:`SequenceParallelHandle` with ``mode``, ``rank``, ``world_size`` and ``disable()``.
+        A :class:`SequenceParallelHandle` with ``mode``, ``sp_mode``, ``rank``, ``world_size`` and
+        ``disable()``.
 
     Raises:
         SequenceParallelConfigError: unsupported pipeline or model, unknown mode or option, a mode
@@ -274,6 +278,11 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     if cached:
         raise SequenceParallelConfigError(_CACHE_CONFLICT.format(name=traits.name, model=cached[0]))
     vsa = None
+    stray = sorted(k for k in VSA_DEFAULTS if k in options and resolved != "vsa")
+    if stray:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: {', '.join(stray)} apply to mode='vsa' only, but the mode is {resolved!r} "
+            f"(from mode={mode!r}). Pass mode='vsa' or drop them.")
     if resolved == "vsa":
         sparsity, tile, sp_mode = validate_vsa(
             traits, layout.sp_degree, sparsity=opts["vsa_sparsity"], tile_size=opts["vsa_tile_size"],
@@ -302,7 +311,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                                      layout.num_replicas, layout.cfg_degree, bool(parallel_vae)))
 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
-                                    group=group, target=target)
+                                    group=group, target=target, sp_mode=vsa["sp_mode"] if vsa else resolved)
     replica_group = group
     if pgroups is not None:
         handle.groups = pgroups
@@ -351,7 +360,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         _patch_prepare_latents(target, replica_group, handle)
     setattr(target, _HANDLE_ATTR, handle)
     if group.rank == 0:
-        logger.info("diffusers-sp: %s with %s over %d rank(s)", traits.name, resolved, group.world_size)
+        logger.info("diffusers-sp: %s with %s over %d rank(s)", traits.name,
+                    resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", group.world_size)
         if not layout.trivial:
             logger.info("diffusers-sp: %d replica(s) x cfg %d x sp %d%s", layout.num_replicas, layout.cfg_degree,
                         layout.sp_degree, f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")

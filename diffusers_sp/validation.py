@@ -32,7 +32,7 @@ def ulysses_head_split_ok(num_heads: int, world_size: int) -> bool:
     """Whether Ulysses can give every rank at least one attention head.
 
     Ulysses splits the H heads over P ranks (balanced: the first H mod P ranks get one head more),
-    so it needs H >= P. Heads that do not divide P still run exactly, with uneven head shards.
+    so it needs H >= P. A head count not divisible by P still runs exactly, with uneven head shards.
     """
     return num_heads >= world_size
 
@@ -40,7 +40,7 @@ def ulysses_head_split_ok(num_heads: int, world_size: int) -> bool:
 def choose_auto_mode(traits: "PipelineTraits", world_size: int) -> str:
     """The mode ``mode="auto"`` resolves to.
 
-    Rule: K/V-gather when the world size is at most 2 or the head count does not divide it,
+    Rule: K/V-gather when the world size is at most 2 or the head count is not divisible by it,
     Ulysses otherwise.
 
     Why: per layer and rank, Ulysses moves about 4·B·S·H·D·(P−1)/P² elements in two all-to-alls
@@ -67,7 +67,7 @@ def validate_mode(mode: str, traits: "PipelineTraits", world_size: int) -> str:
         world_size: Number of ranks in the sequence-parallel group (>= 1).
 
     Returns:
-        The resolved mode, ``"ulysses"`` or ``"kv_gather"``.
+        The resolved mode: ``"ulysses"``, ``"kv_gather"`` or ``"vsa"``.
 
     Raises:
         SequenceParallelConfigError: unknown mode; Ulysses with fewer heads than ranks. Explicit

@@ -1,9 +1,9 @@
 """Generate a video with a Diffusers Wan pipeline split across N processes (the main job).
 
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/generate_video.py --check
-    accelerate launch --config_file examples/accelerate_gpu.yaml --num_processes 2 \
-        examples/generate_video.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 \
-        --num-frames 81 --steps 50 --mode auto --output outputs/wan.mp4
+    accelerate launch --config_file examples/accelerate_gpu.yaml --num_processes 2
+        examples/generate_video.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832
+        --num-frames 81 --steps 50 --mode auto --output outputs/wan.mp4  (one command)
     torchrun --nproc-per-node 2 examples/generate_video.py --check
 
 Every rank runs the same pipeline call; the transformer's tokens are split across the ranks
@@ -90,7 +90,7 @@ def load_pipeline(model: str | None, dtype: torch.dtype, rank: int):
             save_tiny_wan_pipeline(model)
         if dist.is_initialized():
             dist.barrier()  # the others load what rank 0 wrote
-    return DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+    return DiffusionPipeline.from_pretrained(model, dtype=dtype)
 
 
 VIDEO_SUFFIXES = (".mp4", ".gif", ".mov", ".mkv", ".webm", ".avi")
@@ -113,6 +113,8 @@ def checked_output(path: str) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.output = checked_output(args.output)
+    if args.prompts_file and not os.path.isfile(args.prompts_file):  # before any model is loaded
+        raise SystemExit(f"--prompts-file {args.prompts_file!r}: no such file")
     from diffusers_sp import enable_sequence_parallel
     from diffusers_sp.groups import resolve_group
 
@@ -129,7 +131,9 @@ def main(argv=None) -> int:
         import transformers
 
         diffusers.utils.logging.set_verbosity_error()
+        diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
     log = logging.getLogger("generate_video")
 
     pipe = load_pipeline(args.model, dtype, rank).to(device)
@@ -143,8 +147,8 @@ def main(argv=None) -> int:
     # so every rank creates every one-rank group.
     solo_groups = ([dist.new_group([r]) for r in range(dist.get_world_size())]
                    if args.check and args.mode == "vsa" and dist.is_initialized() else None)
-    log.info("%s: mode=%s world_size=%d device=%s dtype=%s", type(pipe).__name__, handle.mode, handle.world_size,
-             device, dtype)
+    log.info("%s: mode=%s (sp_mode=%s) world_size=%d device=%s dtype=%s", type(pipe).__name__, handle.mode,
+             handle.sp_mode, handle.world_size, device, dtype)
     if handle.num_replicas > 1 or handle.cfg_degree > 1:
         log.info("replicas=%d cfg=%d sp=%d", handle.num_replicas, handle.cfg_degree, handle.world_size)
     if args.prompts_file:

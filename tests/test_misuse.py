@@ -61,3 +61,8 @@ def test_example_output_suffix_checked_before_any_work():
     assert example.checked_output("a.GIF") == "a.GIF"
     with pytest.raises(SystemExit, match="unknown video format"):
         example.main(["--output", "video.txt"])
+
+
+def test_example_missing_prompts_file_refused_before_loading(tmp_path):
+    with pytest.raises(SystemExit, match="no such file"):
+        _example().main(["--prompts-file", str(tmp_path / "missing.txt")])

@@ -82,6 +82,15 @@ def test_vsa_refused_for_image_and_joint_text_and_unreadable_grid():
         assert needle in str(err.value) and "'kv_gather'" in str(err.value), str(err.value)
 
 
+def test_vsa_options_need_mode_vsa_and_handle_reports_sp_mode():
+    model = tiny_wan_transformer()
+    with pytest.raises(SequenceParallelConfigError, match="apply to mode='vsa' only"):
+        enable_sequence_parallel(model, mode="ulysses", vsa_sparsity=0.5)
+    handle = enable_sequence_parallel(model, mode="vsa", vsa_sp_mode="ulysses")
+    assert (handle.mode, handle.sp_mode) == ("vsa", "ulysses")
+    handle.disable()
+
+
 def test_gate_weights_loading(tmp_path):
     from safetensors.torch import save_file
 

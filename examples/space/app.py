@@ -86,7 +86,7 @@ def worker(rank: int, world_size: int, port: int, model: str | None, mode: str, 
             if rank == 0:
                 save_tiny_wan_pipeline(model)
             dist.barrier()
-        pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype).to(device)
+        pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
         handle = enable_sequence_parallel(pipe, mode=mode)
         if rank == 0:
