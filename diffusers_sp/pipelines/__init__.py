@@ -24,14 +24,15 @@ class FamilySpec:
         pipeline_classes: Diffusers pipeline class names the family supports.
         model_classes: Transformer class names the family supports.
         is_video: Whether the family's latents are videos.
-        model_traits: ``(model, attribute) -> ModelTraits``, read from the model's config.
+        patch_size: ``model -> (p_t, p_h, p_w)`` (video) or ``(p_h, p_w)`` (image), read from the
+            model's config; may raise SequenceParallelConfigError for a config the family cannot run.
         sharding_plan: ``model -> plan`` in ``_cp_plan`` format (see :mod:`diffusers_sp.sharding`).
         attention_modules: ``model -> [(qualified name, module)]``: the self-attention modules whose
             processors are wrapped (cross-attention is left alone).
         transformer_attributes: Pipeline attributes that may hold a transformer to parallelize.
         joint_text: Where text tokens sit in the family's self-attention sequence: ``None`` (text
             only in cross-attention, or no text), ``"prefix"`` or ``"suffix"`` (for the README table;
-            the per-model value is :attr:`ModelTraits.joint_text`).
+            copied into every model's :class:`ModelTraits`).
         text_mask: Whether the family applies a text key padding mask (ragged prompts).
         modes: Sequence-parallel modes that run exactly for the family (README table, tests).
         latent_grid: ``(model, args, kwargs) -> (T, H, W)``: the patchified latent grid of a forward
@@ -42,7 +43,7 @@ class FamilySpec:
     pipeline_classes: tuple[str, ...]
     model_classes: tuple[str, ...]
     is_video: bool
-    model_traits: Callable[[torch.nn.Module, str], ModelTraits]
+    patch_size: Callable[[torch.nn.Module], tuple[int, ...]]
     sharding_plan: Callable[[torch.nn.Module], dict]
     attention_modules: Callable[[torch.nn.Module], list]
     transformer_attributes: tuple[str, ...] = ("transformer",)
@@ -50,6 +51,21 @@ class FamilySpec:
     text_mask: bool = False
     modes: tuple[str, ...] = ("ulysses", "kv_gather")
     latent_grid: Callable | None = None
+
+    def model_traits(self, model: torch.nn.Module, attribute: str) -> ModelTraits:
+        """The :class:`~diffusers_sp.traits.ModelTraits` of ``model`` (held as ``attribute`` by its
+        pipeline, ``""`` for a bare model): heads and head dim from the config (every supported
+        family names them ``num_attention_heads`` / ``attention_head_dim``), the rest from this spec.
+
+        Raises:
+            SequenceParallelConfigError: from :attr:`patch_size`, for a config the family cannot run.
+        """
+        cfg = model.config
+        return ModelTraits(
+            name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
+            head_dim=int(cfg.attention_head_dim), is_video=self.is_video, patch_size=self.patch_size(model),
+            joint_text=self.joint_text, text_mask=self.text_mask,
+            num_attention_layers=len(self.attention_modules(model)))
 
 
 def plan_without(plan: dict, drop: dict) -> dict:

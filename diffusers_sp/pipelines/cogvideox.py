@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..traits import ModelTraits
 from . import FamilySpec
 
 _ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)
@@ -27,15 +26,9 @@ _COGVIDEOX_PLAN = {
 }
 
 
-def cogvideox_model_traits(model, attribute: str) -> ModelTraits:
-    """Traits of a ``CogVideoXTransformer3DModel`` (text prefix, no text mask)."""
-    cfg = model.config
-    p_t = cfg.patch_size_t
-    return ModelTraits(
-        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
-        head_dim=int(cfg.attention_head_dim), is_video=True,
-        patch_size=(int(p_t or 1), int(cfg.patch_size), int(cfg.patch_size)),
-        joint_text="prefix", text_mask=False, num_attention_layers=len(model.transformer_blocks))
+def cogvideox_patch_size(model) -> tuple[int, ...]:
+    """Patch size of a ``CogVideoXTransformer3DModel`` from its config, frames first."""
+    return (int(model.config.patch_size_t or 1), int(model.config.patch_size), int(model.config.patch_size))
 
 
 def cogvideox_sharding_plan(model) -> dict:
@@ -53,7 +46,7 @@ COGVIDEOX = FamilySpec(
     pipeline_classes=("CogVideoXPipeline",),
     model_classes=("CogVideoXTransformer3DModel",),
     is_video=True,
-    model_traits=cogvideox_model_traits,
+    patch_size=cogvideox_patch_size,
     sharding_plan=cogvideox_sharding_plan,
     attention_modules=cogvideox_attention_modules,
     joint_text="prefix",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..traits import ModelTraits
 from . import FamilySpec, plan_without
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "txt_ids")}
@@ -28,14 +27,9 @@ _FLUX_PLAN = {
 }
 
 
-def flux_model_traits(model, attribute: str) -> ModelTraits:
-    """Traits of a ``FluxTransformer2DModel`` from its config (text prefix, no text mask)."""
-    cfg = model.config
-    return ModelTraits(
-        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
-        head_dim=int(cfg.attention_head_dim), is_video=False, patch_size=(int(cfg.patch_size),) * 2,
-        joint_text="prefix", text_mask=False,
-        num_attention_layers=len(model.transformer_blocks) + len(model.single_transformer_blocks))
+def flux_patch_size(model) -> tuple[int, ...]:
+    """Patch size of a ``FluxTransformer2DModel`` from its config."""
+    return (int(model.config.patch_size),) * 2
 
 
 def flux_sharding_plan(model) -> dict:
@@ -55,7 +49,7 @@ FLUX = FamilySpec(
     pipeline_classes=("FluxPipeline",),
     model_classes=("FluxTransformer2DModel",),
     is_video=False,
-    model_traits=flux_model_traits,
+    patch_size=flux_patch_size,
     sharding_plan=flux_sharding_plan,
     attention_modules=flux_attention_modules,
     joint_text="prefix",

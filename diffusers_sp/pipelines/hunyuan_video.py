@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..traits import ModelTraits
 from ..validation import SequenceParallelConfigError
 from . import FamilySpec
 
@@ -32,8 +31,8 @@ _HUNYUAN_PLAN = {
 }
 
 
-def hunyuan_video_model_traits(model, attribute: str) -> ModelTraits:
-    """Traits of a ``HunyuanVideoTransformer3DModel`` (text suffix, text mask).
+def hunyuan_video_patch_size(model) -> tuple[int, ...]:
+    """Patch size of a ``HunyuanVideoTransformer3DModel`` from its config, frames first.
 
     Raises:
         SequenceParallelConfigError: ``image_condition_type="token_replace"`` (first-frame tokens
@@ -45,12 +44,7 @@ def hunyuan_video_model_traits(model, attribute: str) -> ModelTraits:
             f"{type(model).__name__} with image_condition_type='token_replace' (HunyuanVideo image-to-video) "
             f"is not supported: its blocks address the first frame's tokens by position. Supported: "
             f"HunyuanVideoPipeline (text-to-video) in modes 'ulysses' and 'kv_gather'.")
-    return ModelTraits(
-        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
-        head_dim=int(cfg.attention_head_dim), is_video=True,
-        patch_size=(int(cfg.patch_size_t), int(cfg.patch_size), int(cfg.patch_size)),
-        joint_text="suffix", text_mask=True,
-        num_attention_layers=len(model.transformer_blocks) + len(model.single_transformer_blocks))
+    return (int(cfg.patch_size_t), int(cfg.patch_size), int(cfg.patch_size))
 
 
 def hunyuan_video_sharding_plan(model) -> dict:
@@ -69,7 +63,7 @@ HUNYUAN_VIDEO = FamilySpec(
     pipeline_classes=("HunyuanVideoPipeline",),
     model_classes=("HunyuanVideoTransformer3DModel",),
     is_video=True,
-    model_traits=hunyuan_video_model_traits,
+    patch_size=hunyuan_video_patch_size,
     sharding_plan=hunyuan_video_sharding_plan,
     attention_modules=hunyuan_video_attention_modules,
     joint_text="suffix",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..traits import ModelTraits
 from . import FamilySpec, plan_without
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "encoder_attention_mask")}
@@ -26,14 +25,9 @@ _LTX_PLAN = {
 }
 
 
-def ltx_model_traits(model, attribute: str) -> ModelTraits:
-    """Traits of an ``LTXVideoTransformer3DModel`` (text in cross-attention with a mask)."""
-    cfg = model.config
-    return ModelTraits(
-        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
-        head_dim=int(cfg.attention_head_dim), is_video=True,
-        patch_size=(int(cfg.patch_size_t), int(cfg.patch_size), int(cfg.patch_size)),
-        joint_text=None, text_mask=True, num_attention_layers=len(model.transformer_blocks))
+def ltx_patch_size(model) -> tuple[int, ...]:
+    """Patch size of a ``LTXVideoTransformer3DModel`` from its config, frames first."""
+    return (int(model.config.patch_size_t), int(model.config.patch_size), int(model.config.patch_size))
 
 
 def ltx_sharding_plan(model) -> dict:
@@ -52,7 +46,7 @@ LTX = FamilySpec(
     pipeline_classes=("LTXPipeline",),
     model_classes=("LTXVideoTransformer3DModel",),
     is_video=True,
-    model_traits=ltx_model_traits,
+    patch_size=ltx_patch_size,
     sharding_plan=ltx_sharding_plan,
     attention_modules=ltx_attention_modules,
     joint_text=None,

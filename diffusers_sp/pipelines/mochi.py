@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..traits import ModelTraits
 from . import FamilySpec
 
 _MOCHI_PLAN = {
@@ -27,13 +26,9 @@ _MOCHI_PLAN = {
 }
 
 
-def mochi_model_traits(model, attribute: str) -> ModelTraits:
-    """Traits of a ``MochiTransformer3DModel`` (text suffix, text mask)."""
-    cfg = model.config
-    return ModelTraits(
-        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
-        head_dim=int(cfg.attention_head_dim), is_video=True, patch_size=(1, int(cfg.patch_size), int(cfg.patch_size)),
-        joint_text="suffix", text_mask=True, num_attention_layers=len(model.transformer_blocks))
+def mochi_patch_size(model) -> tuple[int, ...]:
+    """Patch size of a ``MochiTransformer3DModel`` from its config, frames first."""
+    return (1, int(model.config.patch_size), int(model.config.patch_size))
 
 
 def mochi_sharding_plan(model) -> dict:
@@ -51,7 +46,7 @@ MOCHI = FamilySpec(
     pipeline_classes=("MochiPipeline",),
     model_classes=("MochiTransformer3DModel",),
     is_video=True,
-    model_traits=mochi_model_traits,
+    patch_size=mochi_patch_size,
     sharding_plan=mochi_sharding_plan,
     attention_modules=mochi_attention_modules,
     joint_text="suffix",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..traits import ModelTraits
 from . import FamilySpec, plan_without
 
 _TEXT_ENTRIES = {"transformer_blocks.0": ("encoder_hidden_states",),
@@ -33,13 +32,9 @@ _QWEN_PLAN = {
 }
 
 
-def qwenimage_model_traits(model, attribute: str) -> ModelTraits:
-    """Traits of a ``QwenImageTransformer2DModel`` (text prefix, text mask)."""
-    cfg = model.config
-    return ModelTraits(
-        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
-        head_dim=int(cfg.attention_head_dim), is_video=False, patch_size=(int(cfg.patch_size),) * 2,
-        joint_text="prefix", text_mask=True, num_attention_layers=len(model.transformer_blocks))
+def qwenimage_patch_size(model) -> tuple[int, ...]:
+    """Patch size of a ``QwenImageTransformer2DModel`` from its config."""
+    return (int(model.config.patch_size),) * 2
 
 
 def qwenimage_sharding_plan(model) -> dict:
@@ -58,7 +53,7 @@ QWENIMAGE = FamilySpec(
     pipeline_classes=("QwenImagePipeline",),
     model_classes=("QwenImageTransformer2DModel",),
     is_video=False,
-    model_traits=qwenimage_model_traits,
+    patch_size=qwenimage_patch_size,
     sharding_plan=qwenimage_sharding_plan,
     attention_modules=qwenimage_attention_modules,
     joint_text="prefix",

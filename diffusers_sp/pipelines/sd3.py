@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..traits import ModelTraits
 from . import FamilySpec
 
 _SD3_PLAN = {
@@ -32,13 +31,9 @@ def sd3_attention_modules(model) -> list:
     return found
 
 
-def sd3_model_traits(model, attribute: str) -> ModelTraits:
-    """Traits of an ``SD3Transformer2DModel`` (text suffix, no text mask)."""
-    cfg = model.config
-    return ModelTraits(
-        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
-        head_dim=int(cfg.attention_head_dim), is_video=False, patch_size=(int(cfg.patch_size),) * 2,
-        joint_text="suffix", text_mask=False, num_attention_layers=len(sd3_attention_modules(model)))
+def sd3_patch_size(model) -> tuple[int, ...]:
+    """Patch size of a ``SD3Transformer2DModel`` from its config."""
+    return (int(model.config.patch_size),) * 2
 
 
 def sd3_sharding_plan(model) -> dict:
@@ -51,7 +46,7 @@ SD3 = FamilySpec(
     pipeline_classes=("StableDiffusion3Pipeline",),
     model_classes=("SD3Transformer2DModel",),
     is_video=False,
-    model_traits=sd3_model_traits,
+    patch_size=sd3_patch_size,
     sharding_plan=sd3_sharding_plan,
     attention_modules=sd3_attention_modules,
     joint_text="suffix",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..traits import ModelTraits
 from . import FamilySpec
 
 # The plan Diffusers 0.42 ships as WanTransformer3DModel._cp_plan; used when a model lacks one.
@@ -24,13 +23,9 @@ _WAN_PLAN = {
 }
 
 
-def wan_model_traits(model, attribute: str) -> ModelTraits:
-    """Traits of a ``WanTransformer3DModel`` from its config."""
-    cfg = model.config
-    return ModelTraits(
-        name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
-        head_dim=int(cfg.attention_head_dim), is_video=True, patch_size=tuple(cfg.patch_size),
-        joint_text=None, text_mask=False, num_attention_layers=len(model.blocks))
+def wan_patch_size(model) -> tuple[int, ...]:
+    """Patch size of a ``WanTransformer3DModel`` from its config, frames first."""
+    return tuple(int(p) for p in model.config.patch_size)
 
 
 def wan_sharding_plan(model) -> dict:
@@ -57,7 +52,7 @@ WAN = FamilySpec(
     pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
     model_classes=("WanTransformer3DModel",),
     is_video=True,
-    model_traits=wan_model_traits,
+    patch_size=wan_patch_size,
     sharding_plan=wan_sharding_plan,
     attention_modules=wan_attention_modules,
     transformer_attributes=("transformer", "transformer_2"),
