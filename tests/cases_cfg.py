@@ -17,15 +17,10 @@ import torch.distributed as dist
 from diffusers_sp import enable_sequence_parallel
 from diffusers_sp.tiny_models import tiny_tokenizer, tiny_wan_pipeline, tiny_wan_vae
 
+from distributed import compare
+
 CALL = dict(height=80, width=112, num_frames=17, num_inference_steps=3, output_type="latent")
 PROMPTS = ("a cat runs on the grass", "a red bird flies over the blue water", "a small dog swims in the sky")
-
-
-def compare(ref: torch.Tensor, out: torch.Tensor) -> dict:
-    """Bitwise equality, max abs difference and the reference's scale."""
-    return {"equal": tuple(ref.shape) == tuple(out.shape) and torch.equal(ref, out),
-            "max_abs": (out.double() - ref.double()).abs().max().item() if ref.shape == out.shape else float("inf"),
-            "scale": ref.abs().max().item()}
 
 
 @functools.lru_cache(maxsize=None)

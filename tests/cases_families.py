@@ -16,15 +16,9 @@ import torch
 from diffusers_sp import disable_sequence_parallel, enable_sequence_parallel
 from diffusers_sp import tiny_models as tm
 
-from distributed import error_of
+from distributed import compare, error_of
 
 MODES = ("ulysses", "kv_gather")
-
-
-def compare(ref: torch.Tensor, out: torch.Tensor) -> dict:
-    """Max abs difference and the reference's scale (max abs), as floats."""
-    return {"max_abs": (out.double() - ref.double()).abs().max().item(), "scale": ref.abs().max().item(),
-            "shape_ok": tuple(out.shape) == tuple(ref.shape)}
 
 
 def _gen(seed=1):

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from diffusers_sp import SequenceParallelConfigError, disable_sequence_parallel, enable_sequence_parallel
 from diffusers_sp.tiny_models import tiny_wan_pipeline, tiny_wan_transformer
 
-from cases_wan import _inputs, compare
+from cases_wan import _inputs
+from distributed import compare
 
 SPARSITY = 0.9
 

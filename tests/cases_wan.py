@@ -15,17 +15,11 @@ import torch.distributed as dist
 from diffusers_sp import disable_sequence_parallel, enable_sequence_parallel
 from diffusers_sp.tiny_models import tiny_wan_pipeline, tiny_wan_transformer
 
-from distributed import error_of
+from distributed import compare, error_of
 
 MODES = ("ulysses", "kv_gather")
 TOKENS = 5 * 5 * 7
 CALL = dict(height=80, width=112, num_frames=17, guidance_scale=5.0)
-
-
-def compare(ref: torch.Tensor, out: torch.Tensor) -> dict:
-    """Max abs difference and the reference's scale (max abs), as floats."""
-    return {"max_abs": (out.double() - ref.double()).abs().max().item(), "scale": ref.abs().max().item(),
-            "shape_ok": tuple(out.shape) == tuple(ref.shape)}
 
 
 def _inputs(batch: int = 2, per_token_timestep: bool = False, in_channels: int = 16):

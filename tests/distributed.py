@@ -67,6 +67,34 @@ def _worker(local_rank: int, world_size: int, port: int, module: str, cases: lis
         dist.destroy_process_group()
 
 
+#: Equality with one process in float32: max abs difference <= FLOAT32_TOL x max(output scale, 1)
+#: (DESIGN.md, Testing).
+FLOAT32_TOL = 1e-5
+
+
+def compare(ref, out) -> dict:
+    """Inside a case: how ``out`` differs from the one-process ``ref`` (tensors), as picklable floats.
+
+    Returns ``{"shape_ok", "equal" (bitwise), "max_abs" (inf when the shapes differ), "scale" (max abs of ref)}``.
+    """
+    import torch
+
+    shape_ok = tuple(out.shape) == tuple(ref.shape)
+    return {"shape_ok": shape_ok, "equal": shape_ok and torch.equal(ref, out),
+            "max_abs": (out.double() - ref.double()).abs().max().item() if shape_ok else float("inf"),
+            "scale": ref.abs().max().item()}
+
+
+def within(metrics: dict, tol: float = FLOAT32_TOL) -> bool:
+    """Whether :func:`compare`'s ``metrics`` meet ``tol`` relative to the output's scale."""
+    return metrics["shape_ok"] and metrics["max_abs"] <= tol * max(metrics["scale"], 1.0)
+
+
+def assert_close(metrics: dict, what: str, tol: float = FLOAT32_TOL) -> None:
+    """Fails the calling test with ``what`` and the metrics unless :func:`within` holds."""
+    assert within(metrics, tol), f"{what}: {metrics}"
+
+
 def error_of(fn) -> str:
     """Runs ``fn`` inside a case: the message of the SequenceParallelConfigError it raises, or "no error"."""
     from diffusers_sp import SequenceParallelConfigError

@@ -15,18 +15,12 @@ from cases_cfg import results as run_results
 from diffusers_sp import SequenceParallelConfigError
 from diffusers_sp.cfg_parallel import BATCHED_TOLERANCE, choose_cfg_parallel
 from diffusers_sp.replicas import resolve_layout
-from distributed import values
-
-TOL = 1e-5  # max abs diff relative to the output's scale (DESIGN.md, Testing)
+from distributed import FLOAT32_TOL as TOL, values, within
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=lambda p: f"P{p}")
 def results(request):
     return request.param, run_results(request.param)
-
-
-def _within(cmp: dict, tol: float) -> bool:
-    return cmp["max_abs"] <= tol * max(cmp["scale"], 1.0)
 
 
 @pytest.mark.parametrize("case,transformers", [("cfg_wan_t2v", 1), ("cfg_wan_i2v", 1),
@@ -38,7 +32,7 @@ def test_two_call_pipeline_equals_one_process(results, case, transformers):
             if P == 2:  # cfg 2 x sp 1: bit for bit
                 assert v[key]["equal"], f"P={P} rank {rank} {case} {key}: {v[key]}"
             else:  # cfg 2 x sp 2: sequence parallelism's tolerance
-                assert _within(v[key], TOL), f"P={P} rank {rank} {case} {key}: {v[key]}"
+                assert within(v[key], TOL), f"P={P} rank {rank} {case} {key}: {v[key]}"
         assert v["layout"] == dict(cfg_rank=rank // (P // 2), cfg_degree=2, sp=P // 2, num_replicas=1,
                                    replica_index=0)
         assert len(v["stats"]) == transformers
@@ -51,14 +45,14 @@ def test_two_call_pipeline_equals_one_process(results, case, transformers):
 def test_guidance_off_still_exact(results):
     P, res = results
     for v in values(res, "cfg_wan_guidance_off"):
-        assert v["cmp"]["equal"] if P == 2 else _within(v["cmp"], TOL)
+        assert v["cmp"]["equal"] if P == 2 else within(v["cmp"], TOL)
         assert v["stats"][0]["parallel"] == 0 and v["stats"][0]["redundant"] == 6  # no speed-up, by design
 
 
 def test_batched_cfg_pipeline_within_tolerance(results):
     P, res = results
     for rank, v in enumerate(values(res, "cfg_batched_cogvideox")):
-        assert _within(v["cmp"], BATCHED_TOLERANCE), f"P={P} rank {rank}: {v['cmp']}"
+        assert within(v["cmp"], BATCHED_TOLERANCE), f"P={P} rank {rank}: {v['cmp']}"
         assert v["stats"][0]["batch_split"] == 3
 
 

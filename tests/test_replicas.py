@@ -10,9 +10,8 @@ import torch
 
 from cases_cfg import PROMPTS, results
 from diffusers_sp.replicas import split_for_replica
-from distributed import values
+from distributed import FLOAT32_TOL as TOL, values
 
-TOL = 1e-5
 
 
 def test_three_prompts_on_two_replicas():
