@@ -64,7 +64,6 @@ class SequenceParallelHandle:
     target: object = field(repr=False)
     sp_mode: str = ""
     _models: list = field(default_factory=list, repr=False)
-    _pipeline_patches: list = field(default_factory=list, repr=False)
     # Issue 8: replicas x cfg x sp layout (see diffusers_sp.replicas / cfg_parallel / vae).
     replica_index: int = 0
     num_replicas: int = 1
@@ -74,6 +73,12 @@ class SequenceParallelHandle:
     groups: object = field(default=None, repr=False)
     _undo: list = field(default_factory=list, repr=False)
     _cfg_hooks: list = field(default_factory=list, repr=False)  # CFGParallelHook per transformer (stats)
+
+    def patch_attribute(self, obj, name: str, value) -> None:
+        """Sets ``obj.name = value`` as an instance attribute (shadowing a method, e.g. a pipeline's
+        ``prepare_latents``) until :meth:`disable`, which deletes it again."""
+        setattr(obj, name, value)
+        self._undo.append(lambda: vars(obj).pop(name, None))
 
     @property
     def is_output_rank(self) -> bool:
@@ -90,16 +95,12 @@ class SequenceParallelHandle:
                     original._attention_backend = backend
             if getattr(installed.model, _HANDLE_ATTR, None) is self:
                 delattr(installed.model, _HANDLE_ATTR)
-        for obj, name in self._pipeline_patches:
-            if name in vars(obj):
-                delattr(obj, name)
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
         if getattr(self.target, _HANDLE_ATTR, None) is self:
             delattr(self.target, _HANDLE_ATTR)
         self._models.clear()
-        self._pipeline_patches.clear()
 
 
 def _models_of(target, family: FamilySpec) -> list[tuple[str, torch.nn.Module]]:
@@ -168,8 +169,7 @@ def _patch_prepare_latents(pipe, group: SPGroup, handle: SequenceParallelHandle)
     def prepare_latents(*args, **kwargs):
         return _broadcast_tree(original(*args, **kwargs), group)
 
-    pipe.prepare_latents = prepare_latents
-    handle._pipeline_patches.append((pipe, "prepare_latents"))
+    handle.patch_attribute(pipe, "prepare_latents", prepare_latents)
 
 
 # Diffusers' caches (First Block Cache, MagCache, TaylorSeer, FasterCache, PAB) decide from the

@@ -329,6 +329,5 @@ def install(target, family_name: str, models: list, groups: ParallelGroups, hand
             shared.negative_embeds = neg if torch.is_tensor(neg) else None
             return out
 
-        target.encode_prompt = encode_prompt
-        handle._pipeline_patches.append((target, "encode_prompt"))
+        handle.patch_attribute(target, "encode_prompt", encode_prompt)
     return hooks

@@ -91,6 +91,6 @@ def broadcast_tensor(x: torch.Tensor, group: SPGroup, src: int = 0) -> torch.Ten
     """Returns rank ``src``'s copy of ``x`` on every rank (same shape and dtype on every rank)."""
     if group.world_size == 1:
         return x
-    y = x.contiguous().clone()
+    y = x.clone(memory_format=torch.contiguous_format)  # one copy: broadcast writes in place
     dist.broadcast(y, src=dist.get_global_rank(group.group, src), group=group.group)
     return y

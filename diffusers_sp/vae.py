@@ -305,9 +305,8 @@ def install_parallel_vae(target, group: SPGroup, handle) -> None:
     use_tiling = getattr(vae, "use_tiling", False)
     if not use_tiling:
         vae.enable_tiling()
-    vae.tiled_decode = make_parallel_tiled_decode(vae, group)
-    handle._pipeline_patches.append((vae, "tiled_decode"))
     handle._undo.append(lambda: setattr(vae, "use_tiling", use_tiling))
+    handle.patch_attribute(vae, "tiled_decode", make_parallel_tiled_decode(vae, group))
 
 
 class track_peak_memory(TorchDispatchMode):
