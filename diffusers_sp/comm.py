@@ -47,7 +47,7 @@ def all_gather_dim0(x: torch.Tensor, sizes: Sequence[int], group: SPGroup) -> to
     """All-gather along dim 0 when rank ``i`` holds ``sizes[i]`` rows (sizes may differ by one or more).
 
     Args:
-        x: ``[sizes[rank], *rest]`` contiguous tensor.
+        x: ``[sizes[rank], *rest]`` tensor (made contiguous first: no copy when it already is).
         sizes: Rows held by each rank.
         group: The sequence-parallel group.
 

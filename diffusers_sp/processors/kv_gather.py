@@ -1,13 +1,14 @@
 """K/V-gather sequence parallelism: all-gather K and V; queries and outputs never move.
 
-Each rank keeps its query shard, all-gathers the keys and values of every rank (one collective
-for both), and attends over the full sequence. Exact for any head count and any sequence length;
-uneven shards are gathered padded and the padding dropped. Joint attention: the replicated text K/V
-is joined once (not P times) to the gathered image K/V, and each rank computes the text query rows
-itself (redundant across ranks, exact). Key padding masks cover the full key sequence, so ragged
-(varlen) text batches are exact too. The same scheme is used for long-context inference in, e.g.,
-Meta's context parallelism for Llama 3 ("all-gather based pass-KV", arXiv 2411.01783) and in
-sglang's diffusion runtime (which, unlike this module, refuses varlen batches).
+Each rank keeps its query shard, all-gathers the keys and values of every rank (token-major, so
+nothing is copied before the collectives at batch 1), and attends over the full sequence. Exact
+for any head count and any sequence length; uneven shards are gathered padded and the padding
+dropped. Joint attention: the replicated text K/V is joined once (not P times) to the gathered
+image K/V, and each rank computes the text query rows itself (redundant across ranks, exact). Key
+padding masks cover the full key sequence, so ragged (varlen) text batches are exact too. The same
+scheme is used for long-context inference in, e.g., Meta's context parallelism for Llama 3
+("all-gather based pass-KV", arXiv 2411.01783) and in sglang's diffusion runtime (which, unlike
+this module, refuses varlen batches).
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ from .base import SequenceParallelAttnProcessor, join_text_image, split_text_ima
 
 
 def gather_kv(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gathers K and V shards of ``[B, H, S_r, D]`` into full ``[B, H, S, D]`` tensors (one collective).
+    """All-gathers K and V shards of ``[B, H, S_r, D]`` into full ``[B, H, S, D]`` tensors.
 
-    The returned tensors are views with a contiguous last dim (token-major storage).
+    K and V travel token-major (``[S_r, B, H, D]``), one all-gather each. Diffusers' models hand the
+    attention K and V stored as ``[B, S, H, D]``, which for batch 1 is already token-major, so
+    nothing is copied before the collectives (one copy each otherwise). The returned tensors are
+    ``[B, H, S, D]`` views of the gathered ``[S, B, H, D]`` buffers.
     """
     if group.world_size == 1:
         return key, value
-    kv = torch.stack([key.permute(2, 0, 1, 3), value.permute(2, 0, 1, 3)], dim=1)  # [S_r, 2, B, H, D]
-    full = all_gather_dim0(kv, sizes, group)  # [S, 2, B, H, D]
-    return full[:, 0].permute(1, 2, 0, 3), full[:, 1].permute(1, 2, 0, 3)
+    return tuple(all_gather_dim0(t.permute(2, 0, 1, 3), sizes, group).permute(1, 2, 0, 3) for t in (key, value))
 
 
 def kv_gather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sizes: list[int], group, *,
