@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from diffusers_sp.kernels import vsa  # noqa: E402
+from diffusers_sp.kernels import vsa_triton  # noqa: E402
 from diffusers_sp.kernels.vsa import (  # noqa: E402
     make_tile_layout, tile_tokens, untile_tokens, video_sparse_attention, vsa_topk)
 
@@ -66,6 +67,8 @@ def main() -> int:
     parser.add_argument("--sparsity", type=float, default=0.9)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the Triton fine stage under several launch configurations")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_vsa_kernel.py needs a CUDA GPU", file=sys.stderr)
@@ -87,9 +90,9 @@ def main() -> int:
         with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(q, k, v)
 
-    def vsa_tiled(query, key, value, gate_tiled, sparsity):
+    def vsa_tiled(query, key, value, gate_tiled, sparsity, backend="triton"):
         return video_sparse_attention(query, key, value, q_block_sizes=block_sizes, kv_block_sizes=block_sizes,
-                                      sparsity=sparsity, gate=gate_tiled, backend="flex")
+                                      sparsity=sparsity, gate=gate_tiled, backend=backend)
 
     def vsa_end_to_end(with_gate):
         tiled = [tile_tokens(x, layout, dim=2) for x in (q, k, v)]
@@ -98,12 +101,22 @@ def main() -> int:
 
     # The fine stage alone: the selection and BlockMask are built once, outside the timing.
     scores = vsa._tile_means(qt, block_sizes) @ vsa._tile_means(kt, block_sizes).transpose(-1, -2)
-    block_mask = vsa._selection_block_mask(scores.topk(topk, dim=-1).indices, block_sizes, layout.tile_volume)
+    selected = scores.topk(topk, dim=-1).indices
+    block_mask = vsa._selection_block_mask(selected, block_sizes, layout.tile_volume)
     flat = [x.flatten(2, 3) for x in (qt, kt, vt)]
     kernel_options = vsa._flex_kernel_options(layout.tile_volume, HEAD_DIM, qt.element_size())
 
     def fine_stage_only():
         return vsa._compiled_flex_attention()(*flat, block_mask=block_mask, kernel_options=kernel_options)
+
+    scale = HEAD_DIM ** -0.5
+
+    def triton_fine_stage_only(config=None):
+        return vsa_triton.fine_stage_triton(qt, kt, vt, selected, block_sizes, scale, config=config)
+
+    def coarse_and_topk():
+        s = vsa._tile_means(qt, block_sizes) @ vsa._tile_means(kt, block_sizes).transpose(-1, -2)
+        return s.topk(topk, dim=-1).indices
 
     cases = {
         "dense_sdpa_cudnn": lambda: dense(SDPBackend.CUDNN_ATTENTION),
@@ -112,13 +125,22 @@ def main() -> int:
         "vsa_random_gate_end_to_end": lambda: vsa_end_to_end(with_gate=True),
         "vsa_zero_gate_kernel": lambda: vsa_tiled(qt, kt, vt, None, args.sparsity),
         "vsa_random_gate_kernel": lambda: vsa_tiled(qt, kt, vt, gate_t, args.sparsity),
-        "vsa_fine_stage_only": fine_stage_only,
+        "vsa_zero_gate_kernel_flex": lambda: vsa_tiled(qt, kt, vt, None, args.sparsity, "flex"),
+        "coarse_stage_and_topk": coarse_and_topk,
+        "fine_stage_only_triton": triton_fine_stage_only,
+        "fine_stage_only_flex": fine_stage_only,
     }
+    if args.sweep:
+        for tiles in (1, 2):
+            for warps in (4,):
+                for stages in (1, 2, 3):
+                    cfg = {"tiles_per_step": tiles, "num_warps": warps, "num_stages": stages}
+                    cases[f"triton_t{tiles}_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
     results = {}
     for name, fn in cases.items():
         try:
             results[name] = {"ms": time_ms(fn, **timing)}
-        except RuntimeError as err:  # e.g. an SDPA backend that does not take these inputs
+        except Exception as err:  # e.g. an SDPA backend or a launch configuration that does not fit
             results[name] = {"ms": None, "error": str(err).splitlines()[0]}
 
     dense_flops = 4 * BATCH * HEADS * seq * seq * HEAD_DIM
@@ -127,7 +149,7 @@ def main() -> int:
     for name, r in results.items():
         if r["ms"] is None:
             continue
-        flops = dense_flops if name.startswith("dense") else sparse_flops
+        flops = dense_flops if name.startswith("dense") else 0 if name.startswith("coarse") else sparse_flops
         r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
         if best_dense is not None:
             r["speedup_vs_best_dense"] = best_dense / r["ms"]
@@ -137,7 +159,10 @@ def main() -> int:
         dense_out = F.scaled_dot_product_attention(q, k, v)
     vsa_dense_out = untile_tokens(vsa_tiled(qt, kt, vt, None, 0.0), layout, dim=2)
     error = relative_error(vsa_dense_out, dense_out)
-    accuracy_ok = error <= ACCURACY_LIMIT
+    # The Triton and flex fine stages on the same selection (sparsity as benchmarked).
+    backends_error = relative_error(vsa_tiled(qt, kt, vt, None, args.sparsity, "triton"),
+                                    vsa_tiled(qt, kt, vt, None, args.sparsity, "flex"))
+    accuracy_ok = error <= ACCURACY_LIMIT and backends_error <= ACCURACY_LIMIT
 
     report = {
         "device": torch.cuda.get_device_name(),
@@ -150,7 +175,8 @@ def main() -> int:
         "tflops_note": "dense: 4*B*H*S^2*D; vsa: fine-stage FLOPs 4*B*H*(N*V)*(topk*V)*D",
         "results": results,
         "accuracy": {"check": "vsa(sparsity=0, gate=None) vs dense SDPA, relative Frobenius error",
-                     "relative_error": error, "limit": ACCURACY_LIMIT, "ok": accuracy_ok},
+                     "relative_error": error, "triton_vs_flex_relative_error": backends_error,
+                     "limit": ACCURACY_LIMIT, "ok": accuracy_ok},
     }
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
@@ -165,7 +191,8 @@ def main() -> int:
         speedup = r.get("speedup_vs_best_dense")
         print(f"{name:30s} {r['ms']:9.3f} {r['tflops']:9.1f} {speedup:8.2f}" if speedup else
               f"{name:30s} {r['ms']:9.3f} {r['tflops']:9.1f}")
-    print(f"accuracy: sparsity 0 vs dense relative error {error:.2e} (limit {ACCURACY_LIMIT:g}): "
+    print(f"accuracy: sparsity 0 vs dense relative error {error:.2e}, triton vs flex at sparsity "
+          f"{args.sparsity} {backends_error:.2e} (limit {ACCURACY_LIMIT:g}): "
           f"{'ok' if accuracy_ok else 'FAILED'}")
     print(f"wrote {args.json}")
     return 0 if accuracy_ok else 1

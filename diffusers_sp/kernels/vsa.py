@@ -39,7 +39,9 @@ except ImportError:  # torch without flex_attention
     BlockMask = None
     flex_attention = None
 
-BACKENDS = ("auto", "reference", "flex")
+from .vsa_triton import fine_stage_triton, triton_applies
+
+BACKENDS = ("auto", "reference", "flex", "triton")
 _FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Upper bound on the elements (scores plus gathered keys and values) that one chunk of query tiles
@@ -243,10 +245,12 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         gate: None (a zero gate: the output is the fine stage alone), or ``[B, H, Nq, V, D]``,
             the per-token weight of the coarse output (cast to q's dtype).
         scale: Softmax scale of both stages; None means ``1 / sqrt(D)``.
-        backend: ``"reference"`` (pure torch, any device, differentiable), ``"flex"``
+        backend: ``"reference"`` (pure torch, any device, differentiable), ``"triton"`` (the
+            block-sparse Triton kernel of :mod:`diffusers_sp.kernels.vsa_triton`; CUDA, bf16/fp16,
+            forward only, see :func:`~diffusers_sp.kernels.vsa_triton.triton_applies`), ``"flex"``
             (``flex_attention`` with a block-sparse ``BlockMask``, compiled; CUDA only, ``V`` a
-            multiple of 16, ``D >= 16``, forward only) or ``"auto"`` (``"flex"`` where it applies,
-            else ``"reference"``).
+            multiple of 16, ``D >= 16``, forward only) or ``"auto"`` (the first of ``"triton"``,
+            ``"flex"``, ``"reference"`` that applies).
 
     Returns:
         ``[B, H, Nq, V, D]`` in q's dtype; padded query slots are zero.
@@ -269,7 +273,7 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     q_block_sizes = q_block_sizes.to(device=q.device, dtype=torch.long)
     kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.long)
     if backend == "auto":
-        backend = "flex" if _flex_applies(q, k, v) else "reference"
+        backend = ("triton" if triton_applies(q, k, v) else "flex" if _flex_applies(q, k, v) else "reference")
 
     # Coarse stage: tile means and tile-level scores, in float32.
     q_mean = _tile_means(q, q_block_sizes)
@@ -281,7 +285,9 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     selected = scores.topk(topk, dim=-1).indices  # [B, H, Nq, topk]
 
     # Fine stage: token attention over the selected key tiles.
-    if backend == "flex":
+    if backend == "triton":
+        out = fine_stage_triton(q, k, v, selected, kv_block_sizes, scale)
+    elif backend == "flex":
         out = _fine_stage_flex(q, k, v, selected, kv_block_sizes, scale)
     else:
         out = _fine_stage_reference(q, k, v, selected, kv_block_sizes, scale)
@@ -467,6 +473,11 @@ def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -
                          f"{q.device}, {q.dtype}, V={q.shape[3]}, D={q.shape[4]}, "
                          f"requires_grad={any(t.requires_grad for t in (q, k, v))}. "
                          "Use backend='reference' or 'auto'.")
+    if backend == "triton" and not triton_applies(q, k, v):
+        raise ValueError("backend='triton' needs Triton, CUDA bfloat16/float16 tensors without gradient, a "
+                         "power-of-two tile volume V in [16, 128] and head dim 32, 64 or 128; got device "
+                         f"{q.device}, {q.dtype}, V={q.shape[3]}, D={q.shape[4]}. Use backend='reference', "
+                         "'flex' or 'auto'.")
 
 
 def _check_sparsity(sparsity: float) -> None:
