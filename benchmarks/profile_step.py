@@ -72,8 +72,6 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stock", action="store_true")
-    p.add_argument("--max-head-groups", default=None,
-                   help="comma-separated values of diffusers_sp.processors.base.MAX_HEAD_GROUPS, one row each")
     p.add_argument("--no-top", action="store_true", help="do not print the top kernels")
     args = p.parse_args(argv)
     args.device, args.quick, args.timeout, args.warmup, args.repeats = "cuda", False, 600.0, 2, 3
@@ -84,14 +82,10 @@ def main(argv=None):
         case = cases[case_name]
         model = bt.build_model(ctx, case)
         inputs = bt.build_inputs(ctx, case)
-        rows = [] if args.no_stock else [("stock", None, None)]
-        groups = [int(g) for g in args.max_head_groups.split(",")] if args.max_head_groups else [None]
-        rows += [(f"ours {m}" + (f" G<={g}" if g else ""), m, g) for m in args.modes.split(",") if m for g in groups]
-        for label, mode, max_groups in rows:
+        rows = [] if args.no_stock else [("stock", None)]
+        rows += [(f"ours {m}", m) for m in args.modes.split(",") if m]
+        for label, mode in rows:
             handle = None
-            if max_groups is not None:
-                from diffusers_sp.processors import base
-                base.MAX_HEAD_GROUPS = max_groups
             if mode is not None:
                 from diffusers_sp import enable_sequence_parallel
                 opts = json.loads(args.vsa_options) if mode == "vsa" else {}

@@ -167,7 +167,8 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
         gate: ``None`` (zero gate: pure block-sparse attention) or ``(weight [dim, dim], bias [dim])``
             of the gate projection ``to_gate_compress`` applied to the attention input.
         backend: VSA backend of :func:`~diffusers_sp.kernels.vsa.video_sparse_attention`
-            (``"auto"``: flex_attention on CUDA, the reference implementation elsewhere).
+            (``"auto"``: the Triton kernel on CUDA in bf16/fp16, else flex_attention on CUDA, else the
+            reference implementation).
         kernel: Unused by VSA (kept for the common processor signature).
 
     Tensors in the taken-over attention call are ``[B, H, S_r, D]``: this rank's tokens in tile order.
