@@ -308,3 +308,40 @@ def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
                                                       else kwargs["gate"].float()))
             assert fast.dtype == dtype
             torch.testing.assert_close(fast.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernel needs CUDA and Triton")
+@pytest.mark.parametrize("tiles_per_step", [2, 4])
+def test_triton_multi_tile_steps_cuda(tiles_per_step):
+    """GPU-only: with several key tiles per step, a top-k that is not a multiple of the step leaves
+    a part-empty last step; its columns must be masked. Fine stage against the reference's."""
+    from diffusers_sp.kernels.vsa_triton import fine_stage_triton
+
+    layout = make_tile_layout((5, 10, 9), (4, 4, 4), device="cuda")  # 18 tiles, most partial
+    _, (qt, kt, vt) = _tiled_qkv(layout, batch=2, heads=3, head_dim=64, seed=10, dtype=torch.bfloat16,
+                                 device="cuda")
+    scale = 64 ** -0.5
+    for topk in (1, 5, 7):  # never a multiple of 2 or 4
+        selected = torch.stack([torch.randperm(layout.num_tiles, generator=torch.Generator().manual_seed(i))[:topk]
+                                for i in range(2 * 3 * layout.num_tiles)]).view(2, 3, layout.num_tiles, topk)
+        selected = selected.to("cuda")
+        fast = fine_stage_triton(qt, kt, vt, selected, layout.block_sizes, scale,
+                                 config={"tiles_per_step": tiles_per_step})
+        reference = vsa._fine_stage_reference(qt.float(), kt.float(), vt.float(), selected, layout.block_sizes, scale)
+        valid = vsa._slot_mask(layout.block_sizes, layout.tile_volume)[None, None, :, :, None]
+        torch.testing.assert_close(fast.float() * valid, reference * valid, rtol=2e-2, atol=2e-2)
+
+
+def test_triton_requirements_message_names_the_cause():
+    """The Triton backend's error says what is missing (CPU tensors, no Triton, gradients) rather
+    than only the shapes."""
+    from diffusers_sp.kernels.vsa_triton import fine_stage_triton, triton_requirements
+
+    layout = make_tile_layout((3, 4, 4), (2, 2, 2))
+    _, (qt, kt, vt) = _tiled_qkv(layout, batch=1, heads=2, head_dim=32)
+    qt.requires_grad_(True)
+    message = triton_requirements(qt, kt, vt)
+    assert "device cpu" in message and "requires_grad=True" in message and "Triton" in message
+    with pytest.raises(ValueError, match="requires_grad=True"):
+        fine_stage_triton(qt, kt, vt, torch.zeros(1, 2, layout.num_tiles, 1, dtype=torch.long),
+                          layout.block_sizes, 1.0)

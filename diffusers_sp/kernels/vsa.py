@@ -39,7 +39,7 @@ except ImportError:  # torch without flex_attention
     BlockMask = None
     flex_attention = None
 
-from .vsa_triton import fine_stage_triton, triton_applies
+from .vsa_triton import fine_stage_triton, triton_applies, triton_requirements
 
 BACKENDS = ("auto", "reference", "flex", "triton")
 _FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -258,7 +258,7 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Raises:
         ValueError: tensors not 5-D or with mismatched batch / heads / V / D / dtype / device,
             block sizes of the wrong length or dtype, ``sparsity`` outside ``[0, 1)``, a gate of
-            the wrong shape, an unknown backend, or ``"flex"`` where it cannot run.
+            the wrong shape, an unknown backend, or ``"flex"`` or ``"triton"`` where it cannot run.
 
     The tile means sum every slot (in float32) and divide by the block size, so padded slots must be
     zero, as :func:`tile_tokens` leaves them; the fine stage masks padded key slots itself. The
@@ -474,10 +474,8 @@ def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -
                          f"requires_grad={any(t.requires_grad for t in (q, k, v))}. "
                          "Use backend='reference' or 'auto'.")
     if backend == "triton" and not triton_applies(q, k, v):
-        raise ValueError("backend='triton' needs Triton, CUDA bfloat16/float16 tensors without gradient, a "
-                         "power-of-two tile volume V in [16, 128] and head dim 32, 64 or 128; got device "
-                         f"{q.device}, {q.dtype}, V={q.shape[3]}, D={q.shape[4]}. Use backend='reference', "
-                         "'flex' or 'auto'.")
+        raise ValueError(f"backend='triton': {triton_requirements(q, k, v)}. Use backend='reference', 'flex' "
+                         "or 'auto'.")
 
 
 def _check_sparsity(sparsity: float) -> None:

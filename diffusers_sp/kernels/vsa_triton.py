@@ -30,8 +30,8 @@ except ImportError:  # CPU-only torch builds ship without Triton
 _LOG2_E = 1.4426950408889634
 
 #: Launch configuration measured fastest on an H200 (bf16, V = 64, D = 128, top-63 of 624 tiles;
-#: see benchmarks/RESULTS.md): one key tile per step, four warps (one warpgroup), two pipeline
-#: stages (3.0 ms; two tiles per step 3.4 ms, eight warps 5.4-7.0 ms).
+#: benchmarks/results/2026-11-30b_h200_vsa_kernel_sweep*.json): one key tile per step, four warps
+#: (one warpgroup), two pipeline stages (2.9-3.0 ms; two tiles per step 3.4 ms, eight warps 5.4-7.0 ms).
 DEFAULT_CONFIG = {"tiles_per_step": 1, "num_warps": 4, "num_stages": 2}
 
 
@@ -49,6 +49,16 @@ def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return power_of_two and 16 <= tile_volume <= 128 and head_dim in (32, 64, 128) and not needs_grad
 
 
+def triton_requirements(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The message of the error raised where :func:`triton_applies` is false: what the kernel needs
+    and what these tensors are."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return ("the Triton VSA kernel needs Triton, CUDA bfloat16/float16 tensors without gradient, a "
+            "power-of-two tile volume V in [16, 128] and head dim D of 32, 64 or 128; got "
+            f"Triton {'importable' if triton is not None else 'not installed'}, device {q.device}, {q.dtype}, "
+            f"V={q.shape[-2]}, D={q.shape[-1]}, requires_grad={grad}")
+
+
 def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor,
                       kv_block_sizes: torch.Tensor, scale: float, *, config: dict | None = None) -> torch.Tensor:
     """Block-sparse attention of each query tile over its selected key tiles (VSA's fine stage).
@@ -57,14 +67,16 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
         q: Tiled queries ``[B, H, Nq, V, D]``, bfloat16 or float16, CUDA; any strides with the last
             dim contiguous.
         k, v: Tiled keys and values ``[B, H, Nk, V, D]``, same dtype and device; padded key slots
-            may hold anything (they are masked).
+            may hold any finite value (they are masked; a NaN or Inf in a padded V slot would still
+            reach the output through ``0 * x``, as in the reference).
         selected: Integer tensor ``[B, H, Nq, topk]`` of key-tile indices in ``[0, Nk)`` (distinct
             per query tile; order does not matter).
         kv_block_sizes: Integer tensor ``[Nk]``, valid tokens of each key tile, each in ``[1, V]``;
             slots ``j >= kv_block_sizes[i]`` of tile ``i`` are masked.
         scale: Softmax scale.
-        config: Launch options overriding :data:`DEFAULT_CONFIG` (``tiles_per_step``,
-            ``num_warps``, ``num_stages``), for benchmarks.
+        config: Launch options overriding :data:`DEFAULT_CONFIG` (``tiles_per_step`` in
+            {1, 2, 4} with ``V * tiles_per_step <= 256``, ``num_warps``, ``num_stages``), for
+            benchmarks and tests.
 
     Returns:
         ``[B, H, Nq, V, D]`` contiguous, q's dtype: softmax over the selected key slots, float32
@@ -72,14 +84,16 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
         caller zeroes them).
 
     Raises:
-        ValueError: :func:`triton_applies` is false for these tensors.
+        ValueError: :func:`triton_applies` is false for these tensors, or ``config`` has an invalid
+            ``tiles_per_step``.
     """
     if not triton_applies(q, k, v):
-        raise ValueError("the Triton VSA kernel needs Triton, CUDA bfloat16/float16 tensors without gradient, "
-                         f"a power-of-two tile volume in [16, 128] and head dim 32, 64 or 128; got {q.dtype} on "
-                         f"{q.device}, V={q.shape[-2]}, D={q.shape[-1]}")
+        raise ValueError(triton_requirements(q, k, v))
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
+    if cfg["tiles_per_step"] not in (1, 2, 4) or tile_volume * cfg["tiles_per_step"] > 256:
+        raise ValueError(f"tiles_per_step must be 1, 2 or 4 with V * tiles_per_step <= 256; got "
+                         f"{cfg['tiles_per_step']} with V = {tile_volume}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     selected = selected.contiguous()
     kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.int32).contiguous()
@@ -103,8 +117,9 @@ if triton is not None:
                          s_ob, s_oh, s_on, s_ov, s_sb, s_sh, s_sn, s_sk,
                          num_heads, topk, scale_log2,
                          TILE: tl.constexpr, HEAD_DIM: tl.constexpr, TILES_PER_STEP: tl.constexpr):
-        q_tile = tl.program_id(0)
-        bh = tl.program_id(1)
+        # 64-bit offsets: a [B, H, N, V, D] tensor may have more than 2**31 elements.
+        q_tile = tl.program_id(0).to(tl.int64)
+        bh = tl.program_id(1).to(tl.int64)
         b = bh // num_heads
         h = bh % num_heads
         BLOCK_N: tl.constexpr = TILE * TILES_PER_STEP
@@ -126,7 +141,7 @@ if triton is not None:
         for start in range(0, topk, TILES_PER_STEP):
             pick = start + which
             in_list = pick < topk
-            kv_tile = tl.load(sel_base + pick * s_sk, mask=in_list, other=0)
+            kv_tile = tl.load(sel_base + pick * s_sk, mask=in_list, other=0).to(tl.int64)
             n_valid = tl.load(KVSizes + kv_tile, mask=in_list, other=0)
             key_ok = slot < n_valid  # False for padded slots and for a step past the list's end
             k = tl.load(k_base + kv_tile[:, None] * s_kn + slot[:, None] * s_kv + dims[None, :])

@@ -25,7 +25,8 @@ def gather_kv(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group) -
 
     K and V travel token-major (``[S_r, B, H, D]``), one all-gather each. Diffusers' models hand the
     attention K and V stored as ``[B, S, H, D]``, which for batch 1 is already token-major, so
-    nothing is copied before the collectives (one copy each otherwise). The returned tensors are
+    nothing is copied before the collectives (one copy each otherwise, and a padded copy on the
+    ranks with the shorter shard when the shards are uneven). The returned tensors are
     ``[B, H, S, D]`` views of the gathered ``[S, B, H, D]`` buffers.
     """
     if group.world_size == 1:

@@ -41,8 +41,9 @@ def scatter_heads(tensors: list[torch.Tensor], sizes: list[int], group) -> list[
     Layout: the chunk for rank j is ``[S_r, n, B, h_j, D]`` (tokens outermost), written once from the
     inputs. The chunks a rank receives, in rank order, are then already the full sequence
     ``[S, n, B, h_r, D]``: no concatenation after the all-to-all. The local kernel takes the
-    token-major views as they are and writes its output in the same order, which makes the rows of
-    each rank contiguous for :func:`gather_heads` (no copy before the second all-to-all either).
+    token-major views as they are and writes its output in the same order, so at batch 1 without
+    joint text the rows of each rank are already contiguous for :func:`gather_heads` (no copy before
+    the second all-to-all either; with text or B > 1 one copy remains there).
     On 2 H200s this layout took the Wan2.1-1.3B step from 344 to 335 ms (benchmarks/RESULTS.md).
     """
     n = len(tensors)
