@@ -13,27 +13,16 @@ of K or V of a rank's shard at 1.3B and 14B), and the resulting bytes sent per r
 from __future__ import annotations
 
 import os
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vsa_kernel import time_ms  # noqa: E402  (median of CUDA-event timings after warm-up)
+
 PAYLOADS_MB = (50, 387)
-
-
-def time_ms(fn, iters: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main():
@@ -47,8 +36,8 @@ def main():
         x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         gathered = torch.empty(n * world, device="cuda", dtype=torch.bfloat16)
         exchanged = torch.empty_like(x)
-        ag = time_ms(lambda: dist.all_gather_into_tensor(gathered, x))
-        a2a = time_ms(lambda: dist.all_to_all_single(exchanged, x))
+        ag = time_ms(lambda: dist.all_gather_into_tensor(gathered, x), warmup=3, iters=10)
+        a2a = time_ms(lambda: dist.all_to_all_single(exchanged, x), warmup=3, iters=10)
         if dist.get_rank() == 0:
             sent = mb * (world - 1)  # all-gather: this rank's payload to every other rank
             sent_a2a = mb * (world - 1) / world
