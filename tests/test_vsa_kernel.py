@@ -291,9 +291,10 @@ def test_flex_matches_reference_cuda(dtype, atol, sparsity):
 @pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9])
 @pytest.mark.parametrize("tile,head_dim", [((4, 4, 4), 128), ((2, 2, 4), 64)])
 def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
-    """GPU-only: the Triton fine-stage kernel (two key tiles per step, so an odd top-k leaves a
-    half-empty last step; partial tiles masked in the kernel) agrees with the reference path, with
-    and without a gate, for all query tiles and for a subset."""
+    """GPU-only: the Triton fine-stage kernel at its default launch configuration (partial key tiles
+    masked in the kernel) agrees with the reference path, with and without a gate, for all query
+    tiles and for a subset. Several key tiles per step are tested in
+    :func:`test_triton_multi_tile_steps_cuda`."""
     layout = make_tile_layout((5, 10, 9), tile, device="cuda")  # partial tiles on every axis
     _, (qt, kt, vt) = _tiled_qkv(layout, batch=2, heads=3, head_dim=head_dim, seed=8, dtype=dtype, device="cuda")
     gate = torch.randn(qt.shape, generator=torch.Generator().manual_seed(9)).to("cuda", dtype)

@@ -273,7 +273,7 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     q_block_sizes = q_block_sizes.to(device=q.device, dtype=torch.long)
     kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.long)
     if backend == "auto":
-        backend = ("triton" if triton_applies(q, k, v) else "flex" if _flex_applies(q, k, v) else "reference")
+        backend = "triton" if triton_applies(q, k, v) else "flex" if _flex_applies(q, k, v) else "reference"
 
     # Coarse stage: tile means and tile-level scores, in float32.
     q_mean = _tile_means(q, q_block_sizes)
