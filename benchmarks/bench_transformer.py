@@ -612,6 +612,8 @@ def ours_row(model, inputs, mode, options, compile_=False, backend=None):
 
         if handle.mode != mode:
             note = ", ".join(x for x in (note, f"resolved mode {handle.mode}") if x)
+        if getattr(handle, "transport", "nccl") != "nccl":
+            note = ", ".join(x for x in (note, f"K/V by {handle.transport}") if x)
         return step, note, cleanup
 
     return setup
@@ -772,6 +774,9 @@ def parse_args(argv=None):
     p.add_argument("--attention-kernel", default="auto", help="diffusers-sp attention_kernel option")
     p.add_argument("--vsa-options", default='{"vsa_sparsity": 0.9}',
                    help="JSON dict of extra enable_sequence_parallel options for mode vsa")
+    p.add_argument("--variants", default="{}",
+                   help='JSON {label: [mode, {options}]}: extra rows "ours <label>", e.g. '
+                        '\'{"kv_gather nccl": ["kv_gather", {"sp_transport": "nccl"}]}\'')
     p.add_argument("--json", default=None, help="write all rows and metadata to this path (rank 0)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -837,6 +842,9 @@ def run_case(ctx: Ctx, bench: Bench, case_name: str, case: dict):
         if mode == "vsa":
             options.update(json.loads(args.vsa_options))
         bench.row(case_name, f"ours {mode}", ours_row(model, inputs, mode, options), ranks=ctx.world, **common)
+    for label, (mode, options) in json.loads(args.variants).items():
+        options = dict(attention_kernel=args.attention_kernel, **options)
+        bench.row(case_name, f"ours {label}", ours_row(model, inputs, mode, options), ranks=ctx.world, **common)
     if ctx.world == 1 and ctx.cuda and not args.no_stock_variants:
         # Processor overhead with the same kernels everywhere as `stock (cudnn)`.
         for mode in [m for m in modes if m in ("ulysses", "kv_gather")]:

@@ -60,6 +60,46 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+def _stripped_fine_stage(q, k, v, selected, part: str, stages: int):
+    """The Triton fine stage with work removed, to bound it: ``part="loads"`` streams the same K and V
+    tiles through the same grid and adds them up; ``"dots"`` also runs both matrix products (no
+    softmax). Benchmark only: the result is not attention."""
+    import triton
+    import triton.language as tl
+
+    if not hasattr(_stripped_fine_stage, "kernel"):
+        @triton.jit
+        def kernel(Q, K, V, Out, Sel, s_qh, s_qn, s_kh, s_kn, s_sh, s_sn, topk,
+                   TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DOTS: tl.constexpr):
+            q_tile = tl.program_id(0).to(tl.int64)
+            h = tl.program_id(1).to(tl.int64)
+            rows = tl.arange(0, TILE)
+            dims = tl.arange(0, HEAD_DIM)
+            tile_offs = rows[:, None] * HEAD_DIM + dims[None, :]
+            q = tl.load(Q + h * s_qh + q_tile * s_qn + tile_offs)
+            acc = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
+            for i in range(0, topk):
+                kv_tile = tl.load(Sel + h * s_sh + q_tile * s_sn + i).to(tl.int64)
+                kk = tl.load(K + h * s_kh + kv_tile * s_kn + tile_offs)
+                vv = tl.load(V + h * s_kh + kv_tile * s_kn + tile_offs)
+                if DOTS:
+                    s = tl.dot(q, tl.trans(kk))
+                    acc += tl.dot(s.to(vv.dtype), vv)
+                else:
+                    acc += kk.to(tl.float32) + vv.to(tl.float32)
+            tl.store(Out + h * s_qh + q_tile * s_qn + tile_offs, acc.to(Out.dtype.element_ty))
+
+        _stripped_fine_stage.kernel = kernel
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    out = torch.empty_like(q)
+    _, heads, tiles, tile_volume, head_dim = q.shape
+    sel = selected.contiguous()
+    _stripped_fine_stage.kernel[(tiles, heads)](
+        q, k, v, out, sel, q.stride(1), q.stride(2), k.stride(1), k.stride(2), sel.stride(1), sel.stride(2),
+        sel.shape[-1], TILE=tile_volume, HEAD_DIM=head_dim, DOTS=part == "dots", num_warps=4, num_stages=stages)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=True, help="where to write the results")
@@ -69,6 +109,9 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true",
                         help="also time the Triton fine stage under several launch configurations")
+    parser.add_argument("--bound", action="store_true",
+                        help="also time two stripped copies of the fine stage (same grid, same gathers): "
+                             "loads only, and loads with both matrix products but no softmax")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_vsa_kernel.py needs a CUDA GPU", file=sys.stderr)
@@ -136,6 +179,11 @@ def main() -> int:
                 for stages in (1, 2, 3):
                     cfg = {"tiles_per_step": tiles, "num_warps": warps, "num_stages": stages}
                     cases[f"triton_t{tiles}_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
+    if args.bound:
+        for part in ("loads", "dots"):
+            for stages in (2, 3, 4):
+                cases[f"bound_{part}_only_s{stages}"] = (
+                    lambda p=part, st=stages: _stripped_fine_stage(qt, kt, vt, selected, p, st))
     results = {}
     for name, fn in cases.items():
         try:

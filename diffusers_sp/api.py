@@ -11,6 +11,7 @@ import torch.distributed as dist
 from diffusers.hooks import HookRegistry
 
 from .comm import broadcast_tensor
+from .copy_engine import TRANSPORTS, copy_engine_unavailable_reason
 from .groups import SPGroup, resolve_group, world_size_for
 from .kernels.sdpa import KERNELS
 from .pipelines import FamilySpec, family_for
@@ -22,7 +23,7 @@ from .validation import SequenceParallelConfigError, validate_mode, validate_vsa
 
 logger = logging.getLogger("diffusers_sp")
 
-_OPTIONS = {"attention_kernel": "auto", **VSA_DEFAULTS}
+_OPTIONS = {"attention_kernel": "auto", "sp_transport": "auto", "overlap_head_groups": "auto", **VSA_DEFAULTS}
 _HANDLE_ATTR = "_diffusers_sp_handle"
 
 
@@ -54,6 +55,8 @@ class SequenceParallelHandle:
         world_size: Ranks in the group (1: nothing is split).
         traits: The pipeline's traits as read at enable time.
         group: The :class:`~diffusers_sp.groups.SPGroup`.
+        transport: How K/V-gather moves K and V: ``"nccl"`` or ``"copy_engine"`` (``sp_transport``
+            resolved; ``"nccl"`` for the other modes).
     """
 
     mode: str
@@ -63,6 +66,7 @@ class SequenceParallelHandle:
     group: SPGroup
     target: object = field(repr=False)
     sp_mode: str = ""
+    transport: str = "nccl"
     _models: list = field(default_factory=list, repr=False)
     # Issue 8: replicas x cfg x sp layout (see diffusers_sp.replicas / cfg_parallel / vae).
     replica_index: int = 0
@@ -209,6 +213,24 @@ def _gate_paths(spec, traits: PipelineTraits) -> list:
     return [spec]
 
 
+def _resolve_transport(requested: str, mode: str, group: SPGroup, name: str) -> str:
+    """``sp_transport`` resolved for ``mode``: ``"nccl"`` or ``"copy_engine"`` (K/V-gather only).
+
+    Raises:
+        SequenceParallelConfigError: ``"copy_engine"`` was asked for where it cannot run (the same
+            on every rank: the checks read only the group and the launcher's environment).
+    """
+    if mode != "kv_gather" or requested == "nccl" or group.world_size == 1:
+        return "nccl"  # at world size 1 nothing is transferred
+    reason = copy_engine_unavailable_reason(group)
+    if reason is None:
+        return "copy_engine"
+    if requested == "copy_engine":
+        raise SequenceParallelConfigError(
+            f"{name}: sp_transport='copy_engine' cannot run here: {reason}. Use sp_transport='nccl' or 'auto'.")
+    return "nccl"
+
+
 def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, cfg_parallel=False,
                              sp_degree: int | None = None, parallel_vae: bool = False,
                              **options) -> SequenceParallelHandle:
@@ -236,7 +258,11 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         parallel_vae: Share the VAE's decode tiles over the ranks of a replica
             (:mod:`diffusers_sp.vae`; enables the VAE's tiling).
         **options: ``attention_kernel`` = ``"auto"`` | ``"sdpa"`` | ``"flash_attn"`` (local dense
-            kernel). For ``mode="vsa"``: ``vsa_sparsity`` (fraction of key tiles skipped, default 0.9),
+            kernel). ``sp_transport`` (K/V-gather): ``"auto"`` (default: the copy engines through
+            symmetric memory when every rank is a CUDA device of one host, else NCCL), ``"nccl"`` or
+            ``"copy_engine"`` (an error where it cannot run); see :mod:`diffusers_sp.copy_engine`.
+            ``overlap_head_groups``: ``"auto"`` (4) or a positive int, the head groups whose
+            copy-engine transfers overlap the attention. For ``mode="vsa"``: ``vsa_sparsity`` (fraction of key tiles skipped, default 0.9),
             ``vsa_tile_size`` (default ``(4, 4, 4)`` latent patches, frames first), ``vsa_sp_mode``
             (``"auto"``, ``"ulysses"``, ``"kv_gather"``: the communication underneath) and
             ``vsa_gate_weights`` (path of a safetensors file or folder with
@@ -260,6 +286,12 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     if opts["attention_kernel"] not in KERNELS:
         raise SequenceParallelConfigError(
             f"attention_kernel={opts['attention_kernel']!r} is not one of {KERNELS}.")
+    if opts["sp_transport"] not in TRANSPORTS:
+        raise SequenceParallelConfigError(f"sp_transport={opts['sp_transport']!r} is not one of {TRANSPORTS}.")
+    groups_opt = opts["overlap_head_groups"]
+    if groups_opt != "auto" and (isinstance(groups_opt, bool) or not isinstance(groups_opt, int) or groups_opt < 1):
+        raise SequenceParallelConfigError(
+            f"overlap_head_groups must be 'auto' or a positive int, got {groups_opt!r}.")
     traits = read_traits(target)
     family = family_for(target)
     models = _models_of(target, family)
@@ -305,13 +337,15 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
 
         pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree)
         group = pgroups.sp
-    _check_same_on_all_ranks(group, (traits.fingerprint(), resolved, opts["attention_kernel"],
+    transport = _resolve_transport(opts["sp_transport"], resolved, group, traits.name)
+    _check_same_on_all_ranks(group, (traits.fingerprint(), resolved, opts["attention_kernel"], transport,
                                      None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"],
                                                                opts["vsa_gate_weights"] is not None),
                                      layout.num_replicas, layout.cfg_degree, bool(parallel_vae)))
 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
-                                    group=group, target=target, sp_mode=vsa["sp_mode"] if vsa else resolved)
+                                    group=group, target=target, sp_mode=vsa["sp_mode"] if vsa else resolved,
+                                    transport=transport)
     replica_group = group
     if pgroups is not None:
         handle.groups = pgroups
@@ -340,7 +374,10 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 # which the wrapper catches.
                 inner._attention_backend = "native"
             installed.processors.append((module, inner, backend))
-            if vsa is None:
+            if resolved == "kv_gather":
+                processor = processor_cls(inner, state, kernel=opts["attention_kernel"], transport=transport,
+                                          head_groups=groups_opt)
+            elif vsa is None:
                 processor = processor_cls(inner, state, kernel=opts["attention_kernel"])
             else:
                 gate = vsa["gates"][index][layer] if vsa["gates"][index] is not None else None
@@ -360,8 +397,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         _patch_prepare_latents(target, replica_group, handle)
     setattr(target, _HANDLE_ATTR, handle)
     if group.rank == 0:
-        logger.info("diffusers-sp: %s with %s over %d rank(s)", traits.name,
-                    resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", group.world_size)
+        logger.info("diffusers-sp: %s with %s over %d rank(s)%s", traits.name,
+                    resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", group.world_size,
+                    " (K/V by copy engine)" if transport == "copy_engine" else "")
         if not layout.trivial:
             logger.info("diffusers-sp: %d replica(s) x cfg %d x sp %d%s", layout.num_replicas, layout.cfg_degree,
                         layout.sp_degree, f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")

@@ -312,3 +312,22 @@ def case_error_ulysses_fewer_heads_than_ranks():
         finally:
             handle.disable()
     return {"ulysses_error": msg, "auto": auto}
+
+
+def case_error_copy_engine_on_gloo():
+    """sp_transport='copy_engine' needs CUDA ranks of one host: on gloo it raises on every rank, before
+    any collective; 'auto' falls back to NCCL's (here gloo's) all-gather and runs exactly."""
+    g = _gen()
+    model = tm.tiny_cogvideox_transformer()
+    msg = error_of(lambda: enable_sequence_parallel(model, mode="kv_gather", sp_transport="copy_engine"))
+    kwargs = dict(hidden_states=torch.randn(2, 1, 4, 10, 14, generator=g),
+                  encoder_hidden_states=torch.randn(2, 8, 32, generator=g), timestep=torch.tensor([500, 250]))
+    with torch.no_grad():
+        ref = model(**kwargs).sample
+        handle = enable_sequence_parallel(model, mode="kv_gather", sp_transport="auto", overlap_head_groups=3)
+        try:
+            auto = compare(ref, model(**kwargs).sample)
+            auto["transport"] = handle.transport
+        finally:
+            handle.disable()
+    return {"error": msg, "auto": auto}

@@ -12,20 +12,21 @@ import torch
 from diffusers_sp import disable_sequence_parallel, enable_sequence_parallel
 from diffusers_sp.tiny_models import tiny_wan_pipeline, tiny_wan_transformer
 
-DENSE_MODES = ("ulysses", "kv_gather")
-
-
 def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
     ref, out = ref.float(), out.float()
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def _modes():
-    try:
-        from diffusers_sp.processors import PROCESSORS
-    except ImportError:  # pragma: no cover
-        return DENSE_MODES
-    return tuple(m for m in ("ulysses", "kv_gather", "vsa") if m in PROCESSORS)
+#: Row name -> (mode, options). K/V-gather once per transport, the copy engines at 1, 4 and 5 head
+#: groups (5 does not divide the 12 heads: unequal groups).
+RUNS = {
+    "ulysses": ("ulysses", {}),
+    "kv_gather": ("kv_gather", {"sp_transport": "nccl"}),
+    "kv_gather copy_engine G=1": ("kv_gather", {"sp_transport": "copy_engine", "overlap_head_groups": 1}),
+    "kv_gather copy_engine G=4": ("kv_gather", {"sp_transport": "copy_engine", "overlap_head_groups": 4}),
+    "kv_gather copy_engine G=5": ("kv_gather", {"sp_transport": "copy_engine", "overlap_head_groups": 5}),
+    "vsa": ("vsa", {"vsa_sparsity": 0.0}),
+}
 
 
 def case_transformer_bf16():
@@ -37,15 +38,56 @@ def case_transformer_bf16():
     x = torch.randn(1, 16, 5, 30, 42, generator=g).to(dev, torch.bfloat16)
     e = torch.randn(1, 32, 64, generator=g).to(dev, torch.bfloat16)
     kwargs = dict(hidden_states=x, timestep=torch.tensor([700.0], device=dev), encoder_hidden_states=e)
-    out = {}
+    out, outputs = {}, {}
     with torch.no_grad():
         ref = model(**kwargs).sample
-        for mode in _modes():
-            opts = {"vsa_sparsity": 0.0} if mode == "vsa" else {}
+        for name, (mode, opts) in RUNS.items():
             handle = enable_sequence_parallel(model, mode=mode, **opts)
-            out[mode] = rel_err(ref, model(**kwargs).sample)
+            outputs[name] = model(**kwargs).sample
+            out[name] = rel_err(ref, outputs[name])
             handle.disable()
+    # The copy engines move the same bits as NCCL: the outputs are identical, not just close.
+    for name in RUNS:
+        if "copy_engine" in name:
+            out[f"{name} differs from NCCL"] = float(not torch.equal(outputs[name], outputs["kv_gather"]))
     return out
+
+
+def case_copy_engine_functional():
+    """The copy-engine K/V-gather against the NCCL one on raw tensors, bitwise: batch 2, text prefix
+    and suffix, per-head and shared masks, unequal head groups, and calls that grow and shrink the
+    symmetric buffer (1575, then 4001, then 33 image tokens)."""
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors.base import gather_key_padding_mask, split_text_image
+    from diffusers_sp.processors.kv_gather import kv_gather_attention, kv_gather_attention_copy_engine
+    from diffusers_sp.sharding import balanced_sizes, shard
+
+    group = resolve_group()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device="cpu").manual_seed(1)
+    diffs = {}
+    for S, T, layout, heads, groups, mask_heads in ((1575, 7, "prefix", 12, 5, 12), (4001, 0, None, 12, 4, 0),
+                                                     (33, 5, "suffix", 6, 4, 1)):
+        B, D = 2, 64
+        L = S + T
+        q, k, v = (torch.randn(B, heads, L, D, generator=g).to(dev, torch.bfloat16) for _ in range(3))
+        mask = None
+        if mask_heads:
+            mask = torch.rand(B, mask_heads, 1, L, generator=g).to(dev) > 0.2
+            mask[..., 0] = True
+
+        def local(x, dim=2):
+            t, i = split_text_image(x, T, layout, dim=dim)
+            i = shard(i, dim, group.rank, group.world_size)
+            return i if T == 0 else torch.cat([t, i] if layout == "prefix" else [i, t], dim=dim)
+
+        sizes = balanced_sizes(S, group.world_size)
+        lmask = None if mask is None else gather_key_padding_mask(local(mask, 3), T, layout, sizes, group)
+        kw = dict(text_len=T, text_layout=layout, key_mask=lmask)
+        want = kv_gather_attention(local(q), local(k), local(v), sizes, group, **kw)
+        got = kv_gather_attention_copy_engine(local(q), local(k), local(v), sizes, group, head_groups=groups, **kw)
+        diffs[f"S={S} T={T} G={groups}"] = (got - want).abs().max().item()
+    return diffs
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,8 +103,9 @@ def case_pipeline_bf16():
                 num_inference_steps=3, output_type="latent")
     ref = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).frames
     out = {}
-    for mode in DENSE_MODES:
-        enable_sequence_parallel(pipe, mode=mode)
-        out[mode] = rel_err(ref, pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).frames)
+    for mode, opts in (("ulysses", {}), ("kv_gather", {}), ("kv_gather", {"sp_transport": "nccl"})):
+        handle = enable_sequence_parallel(pipe, mode=mode, **opts)
+        frames = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).frames
+        out[f"{mode} ({handle.transport})"] = rel_err(ref, frames)
         disable_sequence_parallel(pipe)
     return out

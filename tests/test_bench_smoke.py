@@ -24,7 +24,9 @@ TOL = 1e-4
 def _launch(world_size: int, out: Path, cases: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
            str(SCRIPT), "--device", "cpu", "--quick", "--cases", cases, "--no-compile", "--no-sdpa-report",
-           "--repeats", "2", "--warmup", "1", "--timeout", "120", "--json", str(out)]
+           "--repeats", "2", "--warmup", "1", "--timeout", "120", "--json", str(out),
+           "--variants", json.dumps({"kv_gather nccl G=3": ["kv_gather", {"sp_transport": "nccl",
+                                                                         "overlap_head_groups": 3}]})]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("WORLD_SIZE", None)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -70,7 +72,7 @@ def test_rows_and_accuracy(runs, ws):
         _assert_ok(stock, f"ws={ws} {case} stock")
         assert stock["ranks"] == 1 and stock["rel_err"] == 0.0 and stock["speedup"] == 1.0
         assert "self:" in (stock["kernels"] or ""), stock
-        for mode in ("ulysses", "kv_gather"):
+        for mode in ("ulysses", "kv_gather", "kv_gather nccl G=3"):
             row = rows[(case, f"ours {mode}")]
             _assert_ok(row, f"ws={ws} {case} ours {mode}")
             assert row["ranks"] == ws and len(row["ms_per_rank"]) == ws

@@ -79,3 +79,13 @@ def test_fewer_heads_than_ranks(results):
         assert "kv_gather" in v["ulysses_error"] and "1 heads" in v["ulysses_error"]
         assert v["auto"]["resolved"] == "kv_gather"
         assert_close(v["auto"], f"P={P} auto with 1 head")
+
+
+def test_copy_engine_transport_refused_on_gloo(results):
+    P, res = results
+    per_rank = values(res, "error_copy_engine_on_gloo")
+    assert len({v["error"] for v in per_rank}) == 1
+    for rank, v in enumerate(per_rank):
+        assert "sp_transport='copy_engine' cannot run here" in v["error"] and "not NCCL" in v["error"], v["error"]
+        assert v["auto"]["transport"] == "nccl"
+        assert_close(v["auto"], f"P={P} rank {rank} kv_gather with sp_transport='auto' on gloo")

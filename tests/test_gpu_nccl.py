@@ -26,4 +26,15 @@ def test_bf16_nccl_equals_one_gpu(results, case):
         assert errs, "no mode ran"
         for mode, err in errs.items():
             print(f"{case} rank {rank} {mode}: rel_err={err:.2e}")
-            assert err <= BF16_TOL, f"{case} {mode} rank {rank}: rel_err={err}"
+            if mode.endswith("differs from NCCL"):
+                assert err == 0.0, f"{case} rank {rank}: {mode}"
+            else:
+                assert err <= BF16_TOL, f"{case} {mode} rank {rank}: rel_err={err}"
+
+
+def test_copy_engine_equals_nccl_bitwise(results):
+    for rank, diffs in enumerate(values(results, "copy_engine_functional")):
+        assert len(diffs) == 3
+        for what, diff in diffs.items():
+            print(f"copy engine rank {rank} {what}: max |diff| vs NCCL = {diff}")
+            assert diff == 0.0, f"rank {rank} {what}: {diff}"

@@ -66,3 +66,33 @@ def test_example_output_suffix_checked_before_any_work():
 def test_example_missing_prompts_file_refused_before_loading(tmp_path):
     with pytest.raises(SystemExit, match="no such file"):
         _example().main(["--prompts-file", str(tmp_path / "missing.txt")])
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(sp_transport="nvlink"), "sp_transport='nvlink' is not one of"),
+    (dict(overlap_head_groups=0), "overlap_head_groups must be 'auto' or a positive int, got 0"),
+    (dict(overlap_head_groups="4"), "overlap_head_groups must be 'auto' or a positive int, got '4'"),
+])
+def test_transport_options_checked(options, match):
+    with pytest.raises(SequenceParallelConfigError, match=match):
+        enable_sequence_parallel(tiny_wan_transformer(), mode="kv_gather", **options)
+
+
+def test_single_process_ignores_the_transport():
+    # One process transfers nothing: a script written for several GPUs still runs alone.
+    model = tiny_wan_transformer()
+    kwargs = _kwargs()
+    with torch.no_grad():
+        ref = model(**kwargs).sample
+        handle = enable_sequence_parallel(model, mode="kv_gather", sp_transport="copy_engine")
+        assert handle.transport == "nccl"
+        assert torch.equal(model(**kwargs).sample, ref)
+    handle.disable()
+
+
+@pytest.mark.parametrize("heads,groups,expected", [(12, "auto", [3, 3, 3, 3]), (12, 5, [3, 3, 2, 2, 2]),
+                                                   (3, 8, [1, 1, 1]), (40, 1, [40])])
+def test_head_group_sizes(heads, groups, expected):
+    from diffusers_sp.processors.kv_gather import head_group_sizes
+
+    assert head_group_sizes(heads, groups) == expected

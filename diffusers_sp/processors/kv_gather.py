@@ -9,6 +9,11 @@ padding masks cover the full key sequence, so ragged (varlen) text batches are e
 scheme is used for long-context inference in, e.g., Meta's context parallelism for Llama 3
 ("all-gather based pass-KV", arXiv 2411.01783) and in sglang's diffusion runtime (which, unlike
 this module, refuses varlen batches).
+
+Two transports move K and V: NCCL's all-gather (:func:`gather_kv`, any backend, gloo included) and,
+on CUDA ranks of one host, the copy engines through symmetric memory with the attention split into
+head groups so that each group's transfer overlaps the previous group's attention
+(:func:`kv_gather_attention_copy_engine`, :mod:`diffusers_sp.copy_engine`). Both give the same bits.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from __future__ import annotations
 import torch
 
 from ..comm import all_gather_dim0
+from ..copy_engine import barrier_timeout_ms, workspace
 from ..kernels.sdpa import local_attention
+from ..sharding import balanced_sizes
 from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
 
 
@@ -61,15 +68,138 @@ def kv_gather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return local_attention(query, k, v, attn_mask=key_mask, scale=scale, kernel=kernel)
 
 
+#: Head groups when ``overlap_head_groups="auto"``; measured on 2 H200s (benchmarks/RESULTS.md).
+AUTO_HEAD_GROUPS = 4
+
+
+def head_group_sizes(num_heads: int, head_groups: int | str) -> list[int]:
+    """Heads per group for the copy-engine pipeline: ``min(G, H)`` balanced groups.
+
+    Args:
+        num_heads: H.
+        head_groups: G, ``"auto"`` (:data:`AUTO_HEAD_GROUPS`) or a positive int.
+
+    Raises:
+        ValueError: ``head_groups`` is neither ``"auto"`` nor a positive int.
+    """
+    if head_groups == "auto":
+        head_groups = AUTO_HEAD_GROUPS
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
+        raise ValueError(f"overlap_head_groups must be 'auto' or a positive int, got {head_groups!r}")
+    return balanced_sizes(num_heads, min(head_groups, num_heads))
+
+
+def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sizes: list[int],
+                                    group, *, scale: float | None = None, kernel: str = "auto", text_len: int = 0,
+                                    text_layout: str | None = None, key_mask: torch.Tensor | None = None,
+                                    head_groups: int | str = "auto") -> torch.Tensor:
+    """:func:`kv_gather_attention` with K and V moved by the copy engines, pipelined over head groups.
+
+    Same arguments, result (bit-identical) and output shape ``[B, H, T + S_r, D]``; CUDA tensors of
+    one dtype on an NCCL group of one host (:func:`diffusers_sp.copy_engine.copy_engine_unavailable_reason`).
+    ``head_groups`` (G, see :func:`head_group_sizes`): the attention runs as G calls over balanced
+    head groups; the transfer of group g + 1 runs while group g attends, so about 1/G of the
+    transfer stays exposed.
+
+    Per call (the scheme is described in :mod:`diffusers_sp.copy_engine`):
+
+    1. compute stream: wait until every peer has finished reading the previous call's buffer, then
+       write this rank's K and V rows into its symmetric buffer, laid out
+       ``[(K, V), group g: [S, B, h_g, D]]`` (rows of rank p at ``sum(sizes[:p])``);
+    2. side stream: barrier (all rows written); per head group, copy-engine pulls of every peer's
+       rows, then an event; a closing barrier (all peers done reading) frees the buffer;
+    3. compute stream: attention of group g after its event, over ``[B, h_g, S, D]`` views of the
+       buffer; the group outputs are written into one ``[B, T + S_r, H, D]`` buffer.
+    """
+    P, r = group.world_size, group.rank
+    B, H, L, D = query.shape
+    heads = head_group_sizes(H, head_groups)
+    G, S = len(heads), sum(sizes)
+    offsets = [sum(sizes[:i]) for i in range(P)]
+    txt_k, img_k = split_text_image(key, text_len, text_layout)
+    txt_v, img_v = split_text_image(value, text_len, text_layout)
+    dtype, device = key.dtype, key.device
+    # Region of (tensor i, group g): [S, B, h_g, D] at element offset base[i][g].
+    per_tensor = S * B * H * D
+    base = [[i * per_tensor + S * B * sum(heads[:g]) * D for g in range(G)] for i in range(2)]
+    ws = workspace(group, 2 * per_tensor * key.element_size(), device)
+    flat = ws.buffer[:2 * per_tensor * key.element_size()].view(dtype)
+
+    def region(i: int, g: int) -> torch.Tensor:
+        return flat[base[i][g]:base[i][g] + S * B * heads[g] * D].view(S, B, heads[g], D)
+
+    compute = torch.cuda.current_stream(device)
+    compute.wait_event(ws.free)
+    lo, hi = offsets[r], offsets[r] + sizes[r]
+    for i, t in enumerate((img_k, img_v)):
+        rows = t.permute(2, 0, 1, 3)  # [S_r, B, H, D]
+        if all(n == heads[0] for n in heads):  # one copy: [G, S_r, B, h, D] into the G regions
+            flat[i * per_tensor:(i + 1) * per_tensor].view(G, S, B, heads[0], D)[:, lo:hi].copy_(
+                rows.unflatten(2, (G, heads[0])).permute(2, 0, 1, 3, 4))
+        else:
+            for g in range(G):
+                h0 = sum(heads[:g])
+                region(i, g)[lo:hi].copy_(rows[:, :, h0:h0 + heads[g]])
+
+    side = ws.stream
+    side.wait_stream(compute)
+    timeout = barrier_timeout_ms()
+    with torch.cuda.stream(side):
+        ws.handle.barrier(channel=0, timeout_ms=timeout)
+        for g in range(G):
+            for step in range(1, P):
+                p = (r + step) % P
+                if sizes[p] == 0:
+                    continue
+                for i in range(2):
+                    remote = ws.handle.get_buffer(p, (S, B, heads[g], D), dtype, base[i][g])
+                    rows = slice(offsets[p], offsets[p] + sizes[p])
+                    region(i, g)[rows].copy_(remote[rows])  # contiguous: cudaMemcpyAsync, a copy engine
+            ws.event(g).record(side)
+        ws.handle.barrier(channel=0, timeout_ms=timeout)
+        ws.free.record(side)
+
+    per_head_mask = key_mask is not None and key_mask.shape[1] > 1
+    out = query.new_empty(B, L, H, D).permute(0, 2, 1, 3) if G > 1 else None
+    h0 = 0
+    for g in range(G):
+        hs = slice(h0, h0 + heads[g])
+        h0 += heads[g]
+        compute.wait_event(ws.event(g))
+        k = join_text_image(txt_k[:, hs], region(0, g).permute(1, 2, 0, 3), text_layout)
+        v = join_text_image(txt_v[:, hs], region(1, g).permute(1, 2, 0, 3), text_layout)
+        o = local_attention(query[:, hs], k, v, attn_mask=key_mask[:, hs] if per_head_mask else key_mask,
+                            scale=scale, kernel=kernel)
+        if out is None:
+            return o
+        out[:, hs].copy_(o)
+    return out
+
+
 class KVGatherAttnProcessor(SequenceParallelAttnProcessor):
     """Attention processor running the model's own processor with K/V-gather sequence parallelism.
 
     See :func:`kv_gather_attention` for the algorithm and
-    :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments.
+    :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments. Extra:
+
+    Args:
+        transport: ``"nccl"`` (the group's all-gather; also gloo) or ``"copy_engine"``
+            (:func:`kv_gather_attention_copy_engine`; resolved by ``enable_sequence_parallel``).
+        head_groups: G of the copy-engine pipeline (``"auto"`` or a positive int).
     """
 
     strategy = "kv_gather"
 
+    def __init__(self, inner, state, *, kernel: str = "auto", transport: str = "nccl",
+                 head_groups: int | str = "auto"):
+        super().__init__(inner, state, kernel=kernel)
+        self.transport = transport
+        self.head_groups = head_groups
+
     def parallel_attention(self, query, key, value, sizes, *, scale, text_len=0, text_layout=None, key_mask=None):
-        return kv_gather_attention(query, key, value, sizes, self.state.group, scale=scale, kernel=self.kernel,
-                                   text_len=text_len, text_layout=text_layout, key_mask=key_mask)
+        kwargs = dict(scale=scale, kernel=self.kernel, text_len=text_len, text_layout=text_layout, key_mask=key_mask)
+        # Streams and events do not trace: under torch.compile the NCCL path (functional collectives) runs.
+        if self.transport == "copy_engine" and query.is_cuda and not torch.compiler.is_compiling():
+            return kv_gather_attention_copy_engine(query, key, value, sizes, self.state.group,
+                                                   head_groups=self.head_groups, **kwargs)
+        return kv_gather_attention(query, key, value, sizes, self.state.group, **kwargs)
