@@ -31,7 +31,8 @@ Rows per case:
 
 Each time is the median of ``--repeats`` steps after ``--warmup`` steps (CUDA events; a barrier
 before every step), the maximum over ranks of each rank's median. Peak memory is
-``torch.cuda.max_memory_allocated`` (reset before each row), the maximum over ranks. Every row runs
+``torch.cuda.max_memory_allocated`` (reset before each row) plus the symmetric memory held by the
+copy-engine transport (outside PyTorch's allocator), the maximum over ranks. Every row runs
 in try/except; a row's success is agreed on by all ranks, so a failing row is reported (note column)
 and skipped alike everywhere.
 
@@ -242,6 +243,15 @@ def free_memory(ctx: Ctx):
 # ------------------------------------------------------------------------------------------ timing
 
 
+def _symmetric_bytes() -> int:
+    """Symmetric memory of diffusers-sp's copy-engine transport (0 for versions without it)."""
+    try:
+        from diffusers_sp.copy_engine import symmetric_memory_bytes
+    except ImportError:
+        return 0
+    return symmetric_memory_bytes()
+
+
 def _step(model, inputs):
     with torch.no_grad():
         out = model(**inputs)
@@ -427,7 +437,7 @@ class Bench:
                     entry["ms"] = median
                     entry["ms_per_rank"] = [median]
             if ctx.cuda:
-                peak = torch.cuda.max_memory_allocated() / GIB if participate else 0.0
+                peak = (torch.cuda.max_memory_allocated() + _symmetric_bytes()) / GIB if participate else 0.0
                 entry["peak_gib"] = ctx.max(peak) if collective else (peak if ctx.is0 else None)
             if ctx.is0:
                 entry["rel_err"] = rel_error(out, ref)
@@ -613,7 +623,7 @@ def ours_row(model, inputs, mode, options, compile_=False, backend=None):
         if handle.mode != mode:
             note = ", ".join(x for x in (note, f"resolved mode {handle.mode}") if x)
         if getattr(handle, "transport", "nccl") != "nccl":
-            note = ", ".join(x for x in (note, f"K/V by {handle.transport}") if x)
+            note = ", ".join(x for x in (note, f"transfers by {handle.transport}") if x)
         return step, note, cleanup
 
     return setup

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from diffusers.hooks import HookRegistry
 
 from .comm import broadcast_tensor
-from .copy_engine import TRANSPORTS, copy_engine_unavailable_reason
+from .copy_engine import TRANSPORTS, copy_engine_unavailable_reason, release_workspaces
 from .groups import SPGroup, resolve_group, world_size_for
 from .kernels.sdpa import KERNELS
 from .pipelines import FamilySpec, family_for
@@ -55,8 +55,8 @@ class SequenceParallelHandle:
         world_size: Ranks in the group (1: nothing is split).
         traits: The pipeline's traits as read at enable time.
         group: The :class:`~diffusers_sp.groups.SPGroup`.
-        transport: How K/V-gather moves K and V: ``"nccl"`` or ``"copy_engine"`` (``sp_transport``
-            resolved; ``"nccl"`` for the other modes).
+        transport: How Ulysses or K/V-gather moves tensors: ``"nccl"`` or ``"copy_engine"``
+            (``sp_transport`` resolved; ``"nccl"`` for VSA).
     """
 
     mode: str
@@ -105,6 +105,8 @@ class SequenceParallelHandle:
         if getattr(self.target, _HANDLE_ATTR, None) is self:
             delattr(self.target, _HANDLE_ATTR)
         self._models.clear()
+        if self.transport == "copy_engine":
+            release_workspaces(self.group)
 
 
 def _models_of(target, family: FamilySpec) -> list[tuple[str, torch.nn.Module]]:
@@ -214,13 +216,13 @@ def _gate_paths(spec, traits: PipelineTraits) -> list:
 
 
 def _resolve_transport(requested: str, mode: str, group: SPGroup, name: str) -> str:
-    """``sp_transport`` resolved for ``mode``: ``"nccl"`` or ``"copy_engine"`` (K/V-gather only).
+    """``sp_transport`` resolved for ``mode``: ``"nccl"`` or ``"copy_engine"`` (Ulysses and K/V-gather).
 
     Raises:
         SequenceParallelConfigError: ``"copy_engine"`` was asked for where it cannot run (the same
             on every rank: the checks read only the group and the launcher's environment).
     """
-    if mode != "kv_gather" or requested == "nccl" or group.world_size == 1:
+    if mode not in ("ulysses", "kv_gather") or requested == "nccl" or group.world_size == 1:
         return "nccl"  # at world size 1 nothing is transferred
     reason = copy_engine_unavailable_reason(group)
     if reason is None:
@@ -258,9 +260,10 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         parallel_vae: Share the VAE's decode tiles over the ranks of a replica
             (:mod:`diffusers_sp.vae`; enables the VAE's tiling).
         **options: ``attention_kernel`` = ``"auto"`` | ``"sdpa"`` | ``"flash_attn"`` (local dense
-            kernel). ``sp_transport`` (K/V-gather): ``"auto"`` (default: the copy engines through
-            symmetric memory when every rank is a CUDA device of one host, else NCCL), ``"nccl"`` or
-            ``"copy_engine"`` (an error where it cannot run); see :mod:`diffusers_sp.copy_engine`.
+            kernel). ``sp_transport`` (Ulysses and K/V-gather): ``"auto"`` (default: the copy
+            engines through symmetric memory when every rank is a CUDA device of one host, else
+            NCCL), ``"nccl"`` or ``"copy_engine"`` (an error where it cannot run); see
+            :mod:`diffusers_sp.copy_engine`. Ulysses calls with joint text use NCCL either way.
             ``overlap_head_groups``: ``"auto"`` (4) or a positive int, the head groups whose
             copy-engine transfers overlap the attention. For ``mode="vsa"``: ``vsa_sparsity`` (fraction of key tiles skipped, default 0.9),
             ``vsa_tile_size`` (default ``(4, 4, 4)`` latent patches, frames first), ``vsa_sp_mode``
@@ -374,7 +377,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 # which the wrapper catches.
                 inner._attention_backend = "native"
             installed.processors.append((module, inner, backend))
-            if resolved == "kv_gather":
+            if resolved in ("ulysses", "kv_gather"):
                 processor = processor_cls(inner, state, kernel=opts["attention_kernel"], transport=transport,
                                           head_groups=groups_opt)
             elif vsa is None:
@@ -399,7 +402,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     if group.rank == 0:
         logger.info("diffusers-sp: %s with %s over %d rank(s)%s", traits.name,
                     resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", group.world_size,
-                    " (K/V by copy engine)" if transport == "copy_engine" else "")
+                    " (transfers by copy engine)" if transport == "copy_engine" else "")
         if not layout.trivial:
             logger.info("diffusers-sp: %d replica(s) x cfg %d x sp %d%s", layout.num_replicas, layout.cfg_degree,
                         layout.sp_degree, f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")

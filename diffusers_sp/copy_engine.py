@@ -1,34 +1,33 @@
-"""Copy-engine transport: K/V all-gather through torch symmetric memory, overlapped with attention.
+"""Copy-engine transport: the Ulysses and K/V-gather exchanges through torch symmetric memory.
 
 NCCL's collectives are kernels: they run on the SMs, so a collective in flight slows the attention
 kernel it overlaps (measured on 2 H200s: splitting the attention into head groups and overlapping
 each group's NCCL all-gather with the previous group's attention made the 14B step slower, 651 ->
 690 ms; benchmarks/RESULTS.md). The GPU's copy engines (DMA) move data over NVLink without SMs.
-This module uses them through PyTorch's symmetric memory (``torch.distributed._symmetric_memory``:
-a buffer every rank of the group can address, whose peers' parts are tensors on the local device;
-``Tensor.copy_`` between contiguous same-dtype CUDA tensors is a ``cudaMemcpyAsync``, which the
-driver runs on a copy engine). The pull-based scheme and the idea of low-contention, copy-engine
-collectives come from PyTorch's async tensor parallelism (``_low_contention_all_gather`` and
-``_pipelined_all_gather_and_consume`` in ``torch/distributed/_symmetric_memory``).
+This module gives the strategies access to them through PyTorch's symmetric memory
+(``torch.distributed._symmetric_memory``: a buffer every rank of the group can address, whose
+peers' parts are tensors on the local device; ``Tensor.copy_`` between contiguous same-dtype CUDA
+tensors is a ``cudaMemcpyAsync``, which the driver runs on a copy engine). The pull-based scheme and
+the idea of low-contention, copy-engine collectives come from PyTorch's async tensor parallelism
+(``_low_contention_all_gather`` and ``_pipelined_all_gather_and_consume`` in
+``torch/distributed/_symmetric_memory``).
 
-K/V-gather over the copy engines (:func:`kv_gather_copy_engine`), per attention call:
+The pattern, used by :func:`diffusers_sp.processors.kv_gather.kv_gather_attention_copy_engine` and
+:func:`diffusers_sp.processors.ulysses.ulysses_attention_copy_engine`: each rank writes what its peers
+need into its own symmetric buffer (compute stream); on a side stream a symmetric-memory barrier
+(everyone has written) is followed by copy-engine pulls from the peers' buffers, head group by head
+group, each group ending in an event; the attention of group g waits only for group g's event, so
+the transfer of group g + 1 runs under it; a closing barrier (everyone has finished reading) lets
+the next call write again. The transfers move the same bits as NCCL would: results are
+bit-identical to the NCCL path.
 
-1. Each rank writes its K and V shard into its own symmetric buffer, at its rows of the full
-   sequence, head group by head group (layout ``[2 (K, V), G, S, B, H/G, D]``): one copy kernel per
-   tensor, on the compute stream.
-2. On a side stream: a symmetric-memory barrier (every rank has written), then for each head group
-   the copy-engine pulls of every peer's rows of that group into the same rows of the local buffer,
-   then an event per group; a second barrier (every rank has finished reading its peers) frees the
-   buffer for the next call.
-3. On the compute stream: attention of head group g starts when group g's event has fired, while the
-   copy engines already move group g + 1. Only the first group's transfer is exposed.
-
-The result is bit-identical to the NCCL path (the same rows reach the same places; attention of a
-head subset computes exactly the same per-head values). Requirements (checked by
-:func:`copy_engine_unavailable_reason`): CUDA tensors, an NCCL group whose ranks are all on one host
-(symmetric memory maps peer memory over NVLink/PCIe), and a PyTorch with symmetric memory. The
-buffer holds the full K and V of the largest call seen (like the gathered K/V of the NCCL path, but
-kept between calls): 2 x S x B x H x D elements.
+Requirements (checked by :func:`copy_engine_unavailable_reason`): CUDA tensors, an NCCL group whose
+ranks are all on one host (symmetric memory maps peer memory over NVLink/PCIe), and a PyTorch with
+symmetric memory. The buffer (:func:`workspace`) is sized for the largest call seen and kept between
+calls until ``disable()`` (:func:`release_workspaces`): 2 x S x B x H x D elements for K/V-gather
+(the gathered K and V, which the NCCL path allocates per call instead), about 4 x S x B x H x D for
+Ulysses at two ranks. PyTorch's allocator statistics do not count it; :func:`symmetric_memory_bytes`
+does.
 """
 
 from __future__ import annotations
@@ -41,9 +40,31 @@ import torch
 import torch.distributed as dist
 
 from .groups import TIMEOUT_ENV, SPGroup
+from .sharding import balanced_sizes
 
 #: Values of the ``sp_transport`` option.
 TRANSPORTS = ("auto", "nccl", "copy_engine")
+
+
+#: Head groups when ``overlap_head_groups="auto"``; measured on 2 H200s (benchmarks/RESULTS.md).
+AUTO_HEAD_GROUPS = 4
+
+
+def head_group_sizes(num_heads: int, head_groups: int | str) -> list[int]:
+    """Heads per group of the copy-engine pipeline: ``min(G, H)`` balanced groups.
+
+    Args:
+        num_heads: H.
+        head_groups: G, ``"auto"`` (:data:`AUTO_HEAD_GROUPS`) or a positive int.
+
+    Raises:
+        ValueError: ``head_groups`` is neither ``"auto"`` nor a positive int.
+    """
+    if head_groups == "auto":
+        head_groups = AUTO_HEAD_GROUPS
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
+        raise ValueError(f"overlap_head_groups must be 'auto' or a positive int, got {head_groups!r}")
+    return balanced_sizes(num_heads, min(head_groups, num_heads))
 
 
 def copy_engine_unavailable_reason(group: SPGroup) -> str | None:
@@ -126,3 +147,25 @@ def workspace(group: SPGroup, nbytes: int, device: torch.device) -> _Workspace:
 def barrier_timeout_ms() -> int:
     """The barrier timeout: the group's collective timeout (:data:`~diffusers_sp.groups.TIMEOUT_ENV`) in ms."""
     return int(float(os.environ.get(TIMEOUT_ENV, "600")) * 1000)
+
+
+def symmetric_memory_bytes() -> int:
+    """Bytes of symmetric memory this process holds for the copy-engine transport (all groups and
+    devices). Not counted by ``torch.cuda.memory_allocated``: add it when reporting memory."""
+    return sum(ws.buffer.numel() for ws in _WORKSPACES.values())
+
+
+def release_workspaces(group: SPGroup | None = None) -> None:
+    """Frees the symmetric buffers of ``group`` (``None``: of every group); the next call allocates again.
+
+    Waits on the current stream for each buffer's last closing barrier, after which no peer reads it,
+    then synchronizes the device. Called by ``SequenceParallelHandle.disable``; every rank of the
+    group must call it at the same point (the next allocation is a collective).
+    """
+    for key in list(_WORKSPACES):
+        if group is not None and key[0] != group.group.group_name:
+            continue
+        ws = _WORKSPACES.pop(key)
+        device = ws.buffer.device
+        torch.cuda.current_stream(device).wait_event(ws.free)
+        torch.cuda.synchronize(device)

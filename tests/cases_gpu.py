@@ -17,10 +17,13 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-#: Row name -> (mode, options). K/V-gather once per transport, the copy engines at 1, 4 and 5 head
-#: groups (5 does not divide the 12 heads: unequal groups).
+#: Row name -> (mode, options). Both dense modes once per transport, the copy engines at 1, 4 and 5
+#: head groups (5 divides neither the 12 heads of K/V-gather nor the 6 per rank of Ulysses).
 RUNS = {
-    "ulysses": ("ulysses", {}),
+    "ulysses": ("ulysses", {"sp_transport": "nccl"}),
+    "ulysses copy_engine G=1": ("ulysses", {"sp_transport": "copy_engine", "overlap_head_groups": 1}),
+    "ulysses copy_engine G=4": ("ulysses", {"sp_transport": "copy_engine", "overlap_head_groups": 4}),
+    "ulysses copy_engine G=5": ("ulysses", {"sp_transport": "copy_engine", "overlap_head_groups": 5}),
     "kv_gather": ("kv_gather", {"sp_transport": "nccl"}),
     "kv_gather copy_engine G=1": ("kv_gather", {"sp_transport": "copy_engine", "overlap_head_groups": 1}),
     "kv_gather copy_engine G=4": ("kv_gather", {"sp_transport": "copy_engine", "overlap_head_groups": 4}),
@@ -49,7 +52,8 @@ def case_transformer_bf16():
     # The copy engines move the same bits as NCCL: the outputs are identical, not just close.
     for name in RUNS:
         if "copy_engine" in name:
-            out[f"{name} differs from NCCL"] = float(not torch.equal(outputs[name], outputs["kv_gather"]))
+            nccl = outputs[name.split()[0]]
+            out[f"{name} differs from NCCL"] = float(not torch.equal(outputs[name], nccl))
     return out
 
 
@@ -86,7 +90,37 @@ def case_copy_engine_functional():
         kw = dict(text_len=T, text_layout=layout, key_mask=lmask)
         want = kv_gather_attention(local(q), local(k), local(v), sizes, group, **kw)
         got = kv_gather_attention_copy_engine(local(q), local(k), local(v), sizes, group, head_groups=groups, **kw)
-        diffs[f"S={S} T={T} G={groups}"] = (got - want).abs().max().item()
+        diffs[f"kv_gather S={S} T={T} G={groups}"] = (got - want).abs().max().item()
+    return diffs
+
+
+def case_ulysses_copy_engine_functional():
+    """The copy-engine Ulysses against the NCCL one on raw tensors, bitwise: batch 2, heads that do not
+    divide the world size (5 and 7), per-head and shared masks, head groups that do not divide a
+    rank's heads, and calls that grow and shrink the symmetric buffer."""
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors.base import gather_key_padding_mask
+    from diffusers_sp.processors.ulysses import ulysses_attention, ulysses_attention_copy_engine
+    from diffusers_sp.sharding import balanced_sizes, shard
+
+    group = resolve_group()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device="cpu").manual_seed(2)
+    diffs = {}
+    for S, heads, groups, mask_heads in ((1575, 5, 2, 5), (4001, 12, 4, 0), (33, 7, 3, 1), (2049, 12, 5, 0)):
+        B, D = 2, 64
+        q, k, v = (torch.randn(B, heads, S, D, generator=g).to(dev, torch.bfloat16) for _ in range(3))
+        mask = None
+        if mask_heads:
+            mask = torch.rand(B, mask_heads, 1, S, generator=g).to(dev) > 0.2
+            mask[..., 0] = True
+        sizes = balanced_sizes(S, group.world_size)
+        local = [shard(t, 2, group.rank, group.world_size) for t in (q, k, v)]
+        lmask = None if mask is None else gather_key_padding_mask(shard(mask, 3, group.rank, group.world_size), 0,
+                                                                  None, sizes, group)
+        want = ulysses_attention(*local, sizes, group, key_mask=lmask)
+        got = ulysses_attention_copy_engine(*local, sizes, group, key_mask=lmask, head_groups=groups)
+        diffs[f"ulysses S={S} H={heads} G={groups}"] = (got - want).abs().max().item()
     return diffs
 
 
@@ -103,7 +137,8 @@ def case_pipeline_bf16():
                 num_inference_steps=3, output_type="latent")
     ref = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).frames
     out = {}
-    for mode, opts in (("ulysses", {}), ("kv_gather", {}), ("kv_gather", {"sp_transport": "nccl"})):
+    for mode, opts in (("ulysses", {}), ("ulysses", {"sp_transport": "nccl"}), ("kv_gather", {}),
+                       ("kv_gather", {"sp_transport": "nccl"})):
         handle = enable_sequence_parallel(pipe, mode=mode, **opts)
         frames = pipe(**call, generator=torch.Generator("cpu").manual_seed(0)).frames
         out[f"{mode} ({handle.transport})"] = rel_err(ref, frames)

@@ -32,9 +32,10 @@ def test_bf16_nccl_equals_one_gpu(results, case):
                 assert err <= BF16_TOL, f"{case} {mode} rank {rank}: rel_err={err}"
 
 
-def test_copy_engine_equals_nccl_bitwise(results):
-    for rank, diffs in enumerate(values(results, "copy_engine_functional")):
-        assert len(diffs) == 3
+@pytest.mark.parametrize("case,count", [("copy_engine_functional", 3), ("ulysses_copy_engine_functional", 4)])
+def test_copy_engine_equals_nccl_bitwise(results, case, count):
+    for rank, diffs in enumerate(values(results, case)):
+        assert len(diffs) == count
         for what, diff in diffs.items():
             print(f"copy engine rank {rank} {what}: max |diff| vs NCCL = {diff}")
             assert diff == 0.0, f"rank {rank} {what}: {diff}"

@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..comm import all_gather_dim0
-from ..copy_engine import barrier_timeout_ms, workspace
+from ..copy_engine import barrier_timeout_ms, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
-from ..sharding import balanced_sizes
 from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
 
 
@@ -66,27 +65,6 @@ def kv_gather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     k, v = gather_kv(img_k, img_v, sizes, group)
     k, v = join_text_image(txt_k, k, text_layout), join_text_image(txt_v, v, text_layout)
     return local_attention(query, k, v, attn_mask=key_mask, scale=scale, kernel=kernel)
-
-
-#: Head groups when ``overlap_head_groups="auto"``; measured on 2 H200s (benchmarks/RESULTS.md).
-AUTO_HEAD_GROUPS = 4
-
-
-def head_group_sizes(num_heads: int, head_groups: int | str) -> list[int]:
-    """Heads per group for the copy-engine pipeline: ``min(G, H)`` balanced groups.
-
-    Args:
-        num_heads: H.
-        head_groups: G, ``"auto"`` (:data:`AUTO_HEAD_GROUPS`) or a positive int.
-
-    Raises:
-        ValueError: ``head_groups`` is neither ``"auto"`` nor a positive int.
-    """
-    if head_groups == "auto":
-        head_groups = AUTO_HEAD_GROUPS
-    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
-        raise ValueError(f"overlap_head_groups must be 'auto' or a positive int, got {head_groups!r}")
-    return balanced_sizes(num_heads, min(head_groups, num_heads))
 
 
 def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sizes: list[int],

@@ -12,6 +12,11 @@ Q/K/V without communication and attends over ``[text; all image tokens]`` for it
 output rows of its heads travel in the same output all-to-all as the image rows (each rank sends its
 text rows to every rank), so every rank ends with the text output of all heads, bit-identical across
 ranks.
+
+Two transports: NCCL's all-to-all (:func:`ulysses_attention`, any backend, gloo included) and, on
+CUDA ranks of one host without joint text, the copy engines through symmetric memory, pipelined over
+head groups so that both all-to-alls overlap the attention (:func:`ulysses_attention_copy_engine`,
+:mod:`diffusers_sp.copy_engine`). Both give the same bits.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import all_to_all_flat
+from ..copy_engine import barrier_timeout_ms, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
 from ..sharding import balanced_sizes
 from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
@@ -145,17 +151,173 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return result.permute(1, 2, 0, 3)  # [B, H, T + S_r, D]
 
 
+def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sizes: list[int],
+                                  group, *, scale: float | None = None, kernel: str = "auto",
+                                  key_mask: torch.Tensor | None = None,
+                                  head_groups: int | str = "auto") -> torch.Tensor:
+    """:func:`ulysses_attention` with both all-to-alls on the copy engines, pipelined over head groups.
+
+    Same result (bit-identical) for video/image tokens only (no joint text), CUDA tensors of one
+    dtype on an NCCL group of one host (:func:`diffusers_sp.copy_engine.copy_engine_unavailable_reason`).
+
+    Args:
+        query, key, value: ``[B, H, S_r, D]``, this rank's token shard (``S_r = sizes[rank]``).
+        sizes: Tokens per rank (any split).
+        group: The sequence-parallel group (``H >= P``; heads split balanced as in
+            :func:`scatter_heads`).
+        scale, kernel, key_mask: As in :func:`ulysses_attention` (``key_mask`` over all S keys).
+        head_groups: G (``"auto"`` or a positive int): each rank's heads are split into
+            ``min(G, min_p h_p)`` balanced groups (the same count on every rank).
+
+    Returns:
+        ``[B, H, S_r, D]``, a view of a ``[B, S_r, H, D]`` buffer.
+
+    Per call (symmetric buffer of every rank: its send blocks ``[(Q, K, V), rank p, group g:
+    [S_r, B, h_pg, D]]`` and its output blocks ``[group g: [S, B, h_rg, D]]``, both read by peers; its
+    gathered Q/K/V and received output rows, local):
+
+    1. compute stream: after the previous call's closing barrier, pack this rank's Q, K, V rows into
+       the send blocks (its own heads straight into its gathered buffers);
+    2. side stream: barrier; per head group, copy-engine pulls of every peer's block for this rank
+       and group into the rows of that peer, then an event;
+    3. compute stream: per group, attention after its event, its output written to the output block,
+       then an event; side stream: per group, after that event a barrier (every rank has written
+       that group's output) and pulls of this rank's rows of every peer's output block;
+    4. closing barrier (peers done reading) on the side stream; the compute stream waits for the last
+       pulls and joins the received heads into ``[B, S_r, H, D]``.
+    """
+    P, r = group.world_size, group.rank
+    B, H, S_r, D = query.shape
+    S = sum(sizes)
+    offsets = [sum(sizes[:i]) for i in range(P)]
+    heads = balanced_sizes(H, P)
+    head_starts = [sum(heads[:p]) for p in range(P)]
+    G = len(head_group_sizes(min(heads), head_groups))
+    groups = [balanced_sizes(h, G) for h in heads]  # groups[p][g]: heads of rank p's group g
+    dtype, device = query.dtype, query.device
+    unit = B * D
+
+    # Element offsets in the symmetric buffer. Peers read a rank's send blocks and output blocks, so
+    # those offsets are functions of (owner, ...) that every rank computes alike.
+    def send_offset(owner: int, i: int, p: int, g: int) -> int:
+        rows = sizes[owner]
+        return rows * unit * (i * H + head_starts[p] + sum(groups[p][:g]))
+
+    out_base = 3 * max(sizes) * unit * H
+
+    def out_offset(owner: int, g: int) -> int:
+        return out_base + S * unit * sum(groups[owner][:g])
+
+    recv_base = out_base + S * unit * max(heads)  # local: gathered Q/K/V [(Q, K, V), g: [S, B, h_g, D]]
+    recv_rows = 3 * S * unit * heads[r]
+    back_base = recv_base + recv_rows  # local: received output rows [p, g: [S_r, B, h_pg, D]]
+    total = back_base + S_r * unit * H
+    # Every rank's buffer must be as large as every other's (same byte count on all ranks).
+    nbytes = (out_base + S * unit * max(heads) + 3 * S * unit * max(heads) + max(sizes) * unit * H) * query.element_size()
+    ws = workspace(group, nbytes, device)
+    flat = ws.buffer[:total * query.element_size()].view(dtype)
+
+    def view(offset: int, rows: int, h: int) -> torch.Tensor:
+        return flat[offset:offset + rows * unit * h].view(rows, B, h, D)
+
+    def recv(i: int, g: int) -> torch.Tensor:
+        return view(recv_base + i * S * unit * heads[r] + S * unit * sum(groups[r][:g]), S, groups[r][g])
+
+    def back(p: int, g: int) -> torch.Tensor:
+        return view(back_base + S_r * unit * (head_starts[p] + sum(groups[p][:g])), S_r, groups[p][g])
+
+    compute = torch.cuda.current_stream(device)
+    compute.wait_event(ws.free)
+    lo, hi = offsets[r], offsets[r] + S_r
+    for i, t in enumerate((query, key, value)):
+        rows = t.permute(2, 0, 1, 3)  # [S_r, B, H, D]
+        for p in range(P):
+            h0 = head_starts[p]
+            for g, n in enumerate(groups[p]):
+                dst = recv(i, g)[lo:hi] if p == r else view(send_offset(r, i, p, g), S_r, n)
+                dst.copy_(rows[:, :, h0:h0 + n])
+                h0 += n
+
+    side = ws.stream
+    side.wait_stream(compute)
+    timeout = barrier_timeout_ms()
+    peers = [(r + step) % P for step in range(1, P)]
+    with torch.cuda.stream(side):
+        ws.handle.barrier(channel=0, timeout_ms=timeout)
+        for g in range(G):
+            n = groups[r][g]
+            for p in peers:
+                if sizes[p] == 0:
+                    continue
+                for i in range(3):
+                    remote = ws.handle.get_buffer(p, (sizes[p], B, n, D), dtype, send_offset(p, i, r, g))
+                    recv(i, g)[offsets[p]:offsets[p] + sizes[p]].copy_(remote)  # a copy engine
+            ws.event(g).record(side)
+
+    per_head_mask = key_mask is not None and key_mask.shape[1] > 1
+    own = []
+    h0 = head_starts[r]
+    for g in range(G):
+        n = groups[r][g]
+        compute.wait_event(ws.event(g))
+        q, k, v = (recv(i, g).permute(1, 2, 0, 3) for i in range(3))  # [B, n, S, D]
+        mask = key_mask[:, h0:h0 + n] if per_head_mask else key_mask
+        o = local_attention(q, k, v, attn_mask=mask, scale=scale, kernel=kernel)
+        view(out_offset(r, g), S, n).copy_(o.permute(2, 0, 1, 3))
+        own.append(o)
+        done = ws.event(G + g)
+        done.record(compute)
+        with torch.cuda.stream(side):
+            side.wait_event(done)
+            ws.handle.barrier(channel=0, timeout_ms=timeout)
+            for p in peers:
+                if S_r == 0:
+                    continue
+                remote = ws.handle.get_buffer(p, (S, B, groups[p][g], D), dtype, out_offset(p, g))
+                back(p, g).copy_(remote[lo:hi])  # a copy engine
+        h0 += n
+    with torch.cuda.stream(side):
+        ws.event(2 * G).record(side)
+        ws.handle.barrier(channel=0, timeout_ms=timeout)
+        ws.free.record(side)
+    compute.wait_event(ws.event(2 * G))
+    out = query.new_empty(B, S_r, H, D)
+    for p in range(P):
+        h0 = head_starts[p]
+        for g, n in enumerate(groups[p]):
+            src = own[g][:, :, lo:hi].permute(0, 2, 1, 3) if p == r else back(p, g).permute(1, 0, 2, 3)
+            out[:, :, h0:h0 + n].copy_(src)
+            h0 += n
+    return out.permute(0, 2, 1, 3)
+
+
 class UlyssesAttnProcessor(SequenceParallelAttnProcessor):
     """Attention processor running the model's own processor with Ulysses sequence parallelism.
 
     Wraps ``inner`` (the model's processor); tensors in the taken-over attention call are
     ``[B, H, T + S_r, D]`` (replicated text tokens, if any, and this rank's image shard). See
     :func:`ulysses_attention` for the algorithm, and
-    :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments.
+    :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments. Extra:
+
+    Args:
+        transport: ``"nccl"`` or ``"copy_engine"`` (:func:`ulysses_attention_copy_engine`, used for
+            calls without joint text; resolved by ``enable_sequence_parallel``).
+        head_groups: G of the copy-engine pipeline (``"auto"`` or a positive int).
     """
 
     strategy = "ulysses"
 
+    def __init__(self, inner, state, *, kernel: str = "auto", transport: str = "nccl",
+                 head_groups: int | str = "auto"):
+        super().__init__(inner, state, kernel=kernel)
+        self.transport = transport
+        self.head_groups = head_groups
+
     def parallel_attention(self, query, key, value, sizes, *, scale, text_len=0, text_layout=None, key_mask=None):
+        # Streams and events do not trace: under torch.compile the NCCL path (functional collectives) runs.
+        if (self.transport == "copy_engine" and text_len == 0 and query.is_cuda
+                and not torch.compiler.is_compiling()):
+            return ulysses_attention_copy_engine(query, key, value, sizes, self.state.group, scale=scale,
+                                                 kernel=self.kernel, key_mask=key_mask, head_groups=self.head_groups)
         return ulysses_attention(query, key, value, sizes, self.state.group, scale=scale, kernel=self.kernel,
                                  text_len=text_len, text_layout=text_layout, key_mask=key_mask)
