@@ -5,14 +5,17 @@ Shape: the self-attention of Wan2.1-1.3B at 480x832, 81 frames: latent grid (T, 
 
 Times (median of CUDA-event timings after warm-up):
   * dense ``F.scaled_dot_product_attention`` with the cuDNN and with the flash backend;
-  * VSA (backend "flex") at the given sparsity with a zero gate and with a random gate, both
-    end to end (tiling q, k, v (and gate), VSA, untiling the output) and on pre-tiled tensors;
-  * the fine stage alone (flex_attention with a prebuilt BlockMask), to separate the sparse kernel
-    from the coarse stage, top-k and BlockMask construction.
-Checks VSA at sparsity 0 with a zero gate against dense attention (relative Frobenius error
-<= 1e-2 in bf16; the script exits 1 otherwise).
+  * VSA (default backend: the Triton kernel, its TMA version on Hopper) at the given sparsity with a
+    zero gate and with a random gate, both end to end (tiling q, k, v (and gate), VSA, untiling the
+    output) and on pre-tiled tensors; the zero-gate case also with the flex backend;
+  * the fine stage alone (Triton default, Triton with ordinary loads, flex_attention with a prebuilt
+    BlockMask), to separate the sparse kernel from the coarse stage and top-k;
+  * ``--sweep``: the Triton kernel's launch configurations; ``--bound``: two stripped copies of the
+    fine stage (loads only; loads and both matrix products without softmax).
+Checks VSA at sparsity 0 with a zero gate against dense attention, and the backends against each
+other (relative Frobenius error <= 1e-2 in bf16; the script exits 1 otherwise).
 
-    python benchmarks/bench_vsa_kernel.py --json out.json [--quick]
+    python benchmarks/bench_vsa_kernel.py --json out.json [--quick] [--sweep] [--bound]
 """
 
 from __future__ import annotations
@@ -173,11 +176,16 @@ def main() -> int:
         "fine_stage_only_triton": triton_fine_stage_only,
         "fine_stage_only_flex": fine_stage_only,
     }
+    cases["fine_stage_only_triton_plain_s2"] = lambda: triton_fine_stage_only({"tma": False, "num_stages": 2})
     if args.sweep:
+        for stages in (2, 3, 4, 5, 6):
+            cfg = {"tma": True, "num_stages": stages}
+            cases[f"triton_tma_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
+        cases["triton_tma_s4_warp_specialize"] = lambda: triton_fine_stage_only({"warp_specialize": True})
         for tiles in (1, 2):
             for warps in (4,):
                 for stages in (1, 2, 3):
-                    cfg = {"tiles_per_step": tiles, "num_warps": warps, "num_stages": stages}
+                    cfg = {"tiles_per_step": tiles, "num_warps": warps, "num_stages": stages, "tma": False}
                     cases[f"triton_t{tiles}_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
     if args.bound:
         for part in ("loads", "dots"):
@@ -210,7 +218,9 @@ def main() -> int:
     # The Triton and flex fine stages on the same selection (sparsity as benchmarked).
     backends_error = relative_error(vsa_tiled(qt, kt, vt, None, args.sparsity, "triton"),
                                     vsa_tiled(qt, kt, vt, None, args.sparsity, "flex"))
-    accuracy_ok = error <= ACCURACY_LIMIT and backends_error <= ACCURACY_LIMIT
+    # The TMA variant against the default kernel on the same selection.
+    tma_error = relative_error(triton_fine_stage_only(), triton_fine_stage_only({"tma": False}))
+    accuracy_ok = error <= ACCURACY_LIMIT and backends_error <= ACCURACY_LIMIT and tma_error <= ACCURACY_LIMIT
 
     report = {
         "device": torch.cuda.get_device_name(),
@@ -224,6 +234,7 @@ def main() -> int:
         "results": results,
         "accuracy": {"check": "vsa(sparsity=0, gate=None) vs dense SDPA, relative Frobenius error",
                      "relative_error": error, "triton_vs_flex_relative_error": backends_error,
+                     "triton_tma_vs_triton_relative_error": tma_error,
                      "limit": ACCURACY_LIMIT, "ok": accuracy_ok},
     }
     with open(args.json, "w") as f:
@@ -240,7 +251,7 @@ def main() -> int:
         print(f"{name:30s} {r['ms']:9.3f} {r['tflops']:9.1f} {speedup:8.2f}" if speedup else
               f"{name:30s} {r['ms']:9.3f} {r['tflops']:9.1f}")
     print(f"accuracy: sparsity 0 vs dense relative error {error:.2e}, triton vs flex at sparsity "
-          f"{args.sparsity} {backends_error:.2e} (limit {ACCURACY_LIMIT:g}): "
+          f"{args.sparsity} {backends_error:.2e}, TMA vs plain Triton {tma_error:.2e} (limit {ACCURACY_LIMIT:g}): "
           f"{'ok' if accuracy_ok else 'FAILED'}")
     print(f"wrote {args.json}")
     return 0 if accuracy_ok else 1

@@ -312,22 +312,27 @@ def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernel needs CUDA and Triton")
-@pytest.mark.parametrize("tiles_per_step", [2, 4])
-def test_triton_multi_tile_steps_cuda(tiles_per_step):
+@pytest.mark.parametrize("config", [{"tiles_per_step": 2}, {"tiles_per_step": 4}, {"tma": False},
+                                    {"tma": True}, {"tma": True, "num_stages": 3}], ids=str)
+def test_triton_multi_tile_steps_cuda(config):
     """GPU-only: with several key tiles per step, a top-k that is not a multiple of the step leaves
-    a part-empty last step; its columns must be masked. Fine stage against the reference's."""
-    from diffusers_sp.kernels.vsa_triton import fine_stage_triton
+    a part-empty last step; its columns must be masked. Also the tensor-descriptor (TMA) variant,
+    which must actually run (Hopper), and ordinary loads at one tile per step (the default where TMA
+    does not apply). Fine stage against the reference's."""
+    from diffusers_sp.kernels.vsa_triton import fine_stage_triton, tma_applies
 
     layout = make_tile_layout((5, 10, 9), (4, 4, 4), device="cuda")  # 18 tiles, most partial
     _, (qt, kt, vt) = _tiled_qkv(layout, batch=2, heads=3, head_dim=64, seed=10, dtype=torch.bfloat16,
                                  device="cuda")
     scale = 64 ** -0.5
+    if config.get("tma"):
+        assert tma_applies(qt, kt, vt), "the TMA variant does not apply on this GPU"
     for topk in (1, 5, 7):  # never a multiple of 2 or 4
         selected = torch.stack([torch.randperm(layout.num_tiles, generator=torch.Generator().manual_seed(i))[:topk]
                                 for i in range(2 * 3 * layout.num_tiles)]).view(2, 3, layout.num_tiles, topk)
         selected = selected.to("cuda")
         fast = fine_stage_triton(qt, kt, vt, selected, layout.block_sizes, scale,
-                                 config={"tiles_per_step": tiles_per_step})
+                                 config=config)
         reference = vsa._fine_stage_reference(qt.float(), kt.float(), vt.float(), selected, layout.block_sizes, scale)
         valid = vsa._slot_mask(layout.block_sizes, layout.tile_volume)[None, None, :, :, None]
         torch.testing.assert_close(fast.float() * valid, reference * valid, rtol=2e-2, atol=2e-2)

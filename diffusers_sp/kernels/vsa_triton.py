@@ -10,7 +10,9 @@ One Triton program computes one (batch, head, query tile): it loads the ``[V, D]
 then walks the tile's list of selected key tiles, ``TILES_PER_STEP`` tiles per step, keeping the running
 row maximum, row sum and output accumulator in float32 registers. Key slots past a partial tile's
 block size are masked to ``-inf``; the list is read straight from the top-k indices, so no block
-mask is built. Forward only (inference).
+mask is built. Forward only (inference). On Hopper and newer a second version of the kernel loads
+every tile through Triton's tensor descriptors, i.e. with the tensor-memory accelerator (TMA), which
+keeps more loads in flight: one tile per step, same arithmetic, bit-identical output.
 
 Only importable where Triton is (CUDA builds of torch); :func:`triton_applies` says whether the
 kernel can run on given tensors.
@@ -26,13 +28,19 @@ try:
 except ImportError:  # CPU-only torch builds ship without Triton
     triton = None
     tl = None
+try:  # host-side tensor descriptors (TMA loads on Hopper and newer): Triton 3.3+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 _LOG2_E = 1.4426950408889634
 
 #: Launch configuration measured fastest on an H200 (bf16, V = 64, D = 128, top-63 of 624 tiles;
-#: benchmarks/results/2026-11-30b_h200_vsa_kernel_sweep*.json): one key tile per step, four warps
-#: (one warpgroup), two pipeline stages (2.9-3.0 ms; two tiles per step 3.4 ms, eight warps 5.4-7.0 ms).
-DEFAULT_CONFIG = {"tiles_per_step": 1, "num_warps": 4, "num_stages": 2}
+#: benchmarks/RESULTS.md): one key tile per step, four warps (one warpgroup), and the tiles loaded by
+#: the tensor-memory accelerator (``tma``) where :func:`tma_applies`, four pipeline stages deep
+#: (2.45 ms against 3.07 ms with ordinary loads at two stages in the same run). ``num_stages=None``
+#: means 4 with TMA and 2 without (ordinary loads: two tiles per step 3.4 ms, eight warps 5.4-7.0 ms).
+DEFAULT_CONFIG = {"tiles_per_step": 1, "num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False}
 
 
 def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -47,6 +55,17 @@ def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     power_of_two = tile_volume & (tile_volume - 1) == 0
     return power_of_two and 16 <= tile_volume <= 128 and head_dim in (32, 64, 128) and not needs_grad
+
+
+def tma_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the tensor-descriptor (TMA) variant of the kernel can run: :func:`triton_applies`,
+    Triton's host tensor descriptors, a GPU of compute capability 9.0 or newer, and fewer than 2**31
+    rows of ``V`` tokens in q, k and v (TMA coordinates are 32-bit)."""
+    if not triton_applies(q, k, v) or TensorDescriptor is None:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    return max(t.numel() // t.shape[-1] for t in (q, k, v)) < 2 ** 31
 
 
 def triton_requirements(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -75,8 +94,11 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
             slots ``j >= kv_block_sizes[i]`` of tile ``i`` are masked.
         scale: Softmax scale.
         config: Launch options overriding :data:`DEFAULT_CONFIG` (``tiles_per_step`` in
-            {1, 2, 4} with ``V * tiles_per_step <= 256``, ``num_warps``, ``num_stages``), for
-            benchmarks and tests.
+            {1, 2, 4} with ``V * tiles_per_step <= 256``, ``num_warps``, ``num_stages``, ``tma``:
+            load the tiles with the Hopper tensor-memory accelerator through Triton's tensor
+            descriptors, used with one tile per step where :func:`tma_applies`, else ordinary
+            loads; ``warp_specialize``: Triton's automatic warp specialization of the TMA loop,
+            which Triton documents for Blackwell only), for benchmarks and tests.
 
     Returns:
         ``[B, H, Nq, V, D]`` contiguous, q's dtype: softmax over the selected key slots, float32
@@ -100,12 +122,22 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
     out = torch.empty((batch, heads, num_q_tiles, tile_volume, head_dim), device=q.device, dtype=q.dtype)
     topk = selected.shape[-1]
     grid = (num_q_tiles, batch * heads)
+    use_tma = cfg["tma"] and cfg["tiles_per_step"] == 1 and tma_applies(q, k, v)
+    stages = cfg["num_stages"] or (4 if use_tma else 2)
+    if use_tma:
+        flat = [t.contiguous().view(-1, head_dim) for t in (q, k, v, out)]  # [rows, D]; out is contiguous
+        descs = [TensorDescriptor.from_tensor(t, [tile_volume, head_dim]) for t in flat]
+        _vsa_fine_kernel_tma[grid](
+            *descs, selected, kv_block_sizes, *selected.stride(), heads, num_q_tiles, k.shape[2], topk,
+            scale * _LOG2_E, TILE=tile_volume, HEAD_DIM=head_dim, WARP_SPECIALIZE=cfg["warp_specialize"],
+            num_warps=cfg["num_warps"], num_stages=stages)
+        return out
     _vsa_fine_kernel[grid](
         q, k, v, out, selected, kv_block_sizes,
         *q.stride()[:4], *k.stride()[:4], *v.stride()[:4], *out.stride()[:4], *selected.stride(),
         heads, topk, scale * _LOG2_E,  # the kernel uses exp2
         TILE=tile_volume, HEAD_DIM=head_dim, TILES_PER_STEP=cfg["tiles_per_step"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=stages)
     return out
 
 
@@ -157,3 +189,37 @@ if triton is not None:
         acc = acc / l_i[:, None]
         o_ptrs = Out + b * s_ob + h * s_oh + q_tile * s_on + rows[:, None] * s_ov + dims[None, :]
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty))
+
+    @triton.jit
+    def _vsa_fine_kernel_tma(q_desc, k_desc, v_desc, o_desc, Sel, KVSizes, s_sb, s_sh, s_sn, s_sk,
+                             num_heads, num_q_tiles, num_kv_tiles, topk, scale_log2,
+                             TILE: tl.constexpr, HEAD_DIM: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        # The same recurrence as _vsa_fine_kernel, one key tile per step, with every tile moved by
+        # the tensor-memory accelerator: q, k, v and out are [rows of TILE tokens, HEAD_DIM] 2-D
+        # views, tile i of (batch, head) bh at row (bh * num_tiles + i) * TILE.
+        q_tile = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // num_heads
+        h = bh % num_heads
+        slot = tl.arange(0, TILE)
+        q = q_desc.load([(bh * num_q_tiles + q_tile) * TILE, 0])
+        sel_base = Sel + b.to(tl.int64) * s_sb + h.to(tl.int64) * s_sh + q_tile.to(tl.int64) * s_sn
+        kv_row0 = bh * num_kv_tiles
+        m_i = tl.full([TILE], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([TILE], dtype=tl.float32)
+        acc = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
+        for i in tl.range(0, topk, warp_specialize=WARP_SPECIALIZE):
+            kv_tile = tl.load(sel_base + i * s_sk).to(tl.int32)
+            n_valid = tl.load(KVSizes + kv_tile)
+            k = k_desc.load([(kv_row0 + kv_tile) * TILE, 0])
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.where((slot < n_valid)[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vals = v_desc.load([(kv_row0 + kv_tile) * TILE, 0])
+            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        o_desc.store([(bh * num_q_tiles + q_tile) * TILE, 0], acc.to(q.dtype))
