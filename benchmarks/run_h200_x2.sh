@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Everything this project measures on a 2 x H200 machine, in one go (device time is scarce):
-# 2-GPU benchmarks (1.3B and 14B shapes), the VSA kernel benchmark, the NCCL bf16 correctness tests,
-# and the main job with --check on the GPUs. Each step has its own time limit so that a
-# slow step cannot starve the others; logs and JSON go to $OUT (default ./bench_out).
+# Everything this project measures on a 2 x H200 machine (device time is scarce), in two parts that
+# each fit one 10-minute device call:
+#   bash benchmarks/run_h200_x2.sh bench   # 2-GPU benchmarks (1.3B, 14B shapes), VSA kernel on GPU 0
+#   bash benchmarks/run_h200_x2.sh checks  # GPU tests, the main job with --check, 1-GPU VSA step
+# (no argument: both). Each step has its own time limit so that a slow step cannot starve the
+# others; logs and JSON go to $OUT (default ./bench_out).
 set -u
+PART=${1:-all}
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -13,16 +16,23 @@ step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date -u +%H:%M:%S))"
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name exit $?"
-  tail -n 25 "$OUT/$name.log"
+  grep -v "Warning\|warn(\|_warn_once\|^W1" "$OUT/$name.log" | tail -n 25
 }
-step bench2_13b 170 torchrun --nproc-per-node 2 benchmarks/bench_transformer.py --cases 1.3b --no-compile \
-  --no-stock-variants --json "$OUT/bench2_13b.json"
-step bench2_14b 150 torchrun --nproc-per-node 2 benchmarks/bench_transformer.py --cases 14b --no-compile \
-  --no-stock-variants --no-sdpa-report --json "$OUT/bench2_14b.json"
-step vsa_kernel 90 python3 benchmarks/bench_vsa_kernel.py --json "$OUT/vsa.json"
-step nccl_tests 80 python3 -m pytest -q tests/test_gpu_nccl.py
-step main_job 60 accelerate launch --config_file examples/accelerate_gpu.yaml --num_processes 2 \
-  examples/generate_video.py --check --output "$OUT/video.gif"
-# One GPU: processor overhead, kernel choice and torch.compile (RESULTS.md, first session):
-#   torchrun --nproc-per-node 1 benchmarks/bench_transformer.py --cases 1.3b --compile-modes kv_gather
-# Collectives alone: torchrun --nproc-per-node 2 benchmarks/bench_collectives.py
+# Rows of both transports side by side (the default, sp_transport="auto", is the copy engines here).
+NCCL_ROWS='{"ulysses nccl": ["ulysses", {"sp_transport": "nccl"}], "kv_gather nccl": ["kv_gather", {"sp_transport": "nccl"}]}'
+if [ "$PART" = bench ] || [ "$PART" = all ]; then
+  step bench2_13b 220 torchrun --nproc-per-node 2 benchmarks/bench_transformer.py --cases 1.3b --no-compile \
+    --no-stock-variants --variants "$NCCL_ROWS" --json "$OUT/bench2_13b.json"
+  step bench2_14b 200 torchrun --nproc-per-node 2 benchmarks/bench_transformer.py --cases 14b --no-compile \
+    --no-stock-variants --no-sdpa-report --variants "$NCCL_ROWS" --json "$OUT/bench2_14b.json"
+  step vsa_kernel 120 python3 benchmarks/bench_vsa_kernel.py --sweep --bound --json "$OUT/vsa.json"
+fi
+if [ "$PART" = checks ] || [ "$PART" = all ]; then
+  step gpu_tests 170 python3 -m pytest -q -s tests/test_gpu_nccl.py tests/test_vsa_kernel.py -k "cuda or nccl"
+  step main_job 60 accelerate launch --config_file examples/accelerate_gpu.yaml --num_processes 2 \
+    examples/generate_video.py --check --output "$OUT/video.gif"
+  step bench1_13b_vsa 120 torchrun --nproc-per-node 1 benchmarks/bench_transformer.py --cases 1.3b --no-compile \
+    --no-stock-variants --no-diffusers-cp --no-sdpa-report --modes vsa --json "$OUT/bench1_13b_vsa.json"
+fi
+# Also: torchrun --nproc-per-node 2 benchmarks/ablate_comm.py (per-GPU speed, no-transfer ablation),
+#       torchrun --nproc-per-node 2 benchmarks/profile_step.py, benchmarks/bench_collectives.py.
