@@ -264,7 +264,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             engines through symmetric memory when every rank is a CUDA device of one host, else
             NCCL), ``"nccl"`` or ``"copy_engine"`` (an error where it cannot run); see
             :mod:`diffusers_sp.copy_engine`. Ulysses calls with joint text use NCCL either way.
-            ``overlap_head_groups``: ``"auto"`` (4) or a positive int, the head groups whose
+            ``overlap_head_groups``: ``"auto"`` (2) or a positive int, the head groups whose
             copy-engine transfers overlap the attention. For ``mode="vsa"``: ``vsa_sparsity`` (fraction of key tiles skipped, default 0.9),
             ``vsa_tile_size`` (default ``(4, 4, 4)`` latent patches, frames first), ``vsa_sp_mode``
             (``"auto"``, ``"ulysses"``, ``"kv_gather"``: the communication underneath) and

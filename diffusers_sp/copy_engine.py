@@ -46,8 +46,10 @@ from .sharding import balanced_sizes
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 
 
-#: Head groups when ``overlap_head_groups="auto"``; measured on 2 H200s (benchmarks/RESULTS.md).
-AUTO_HEAD_GROUPS = 4
+#: Head groups when ``overlap_head_groups="auto"``. Measured on 2 H200s (benchmarks/RESULTS.md): on
+#: the Wan 1.3B shape 2, 4 and 6 groups are within noise of each other; on the 14B shape 2 groups are
+#: fastest (K/V-gather 644 ms; 4 groups 650, 8 groups 654).
+AUTO_HEAD_GROUPS = 2
 
 
 def head_group_sizes(num_heads: int, head_groups: int | str) -> list[int]:

@@ -90,7 +90,7 @@ def test_single_process_ignores_the_transport():
     handle.disable()
 
 
-@pytest.mark.parametrize("heads,groups,expected", [(12, "auto", [3, 3, 3, 3]), (12, 5, [3, 3, 2, 2, 2]),
+@pytest.mark.parametrize("heads,groups,expected", [(12, "auto", [6, 6]), (12, 5, [3, 3, 2, 2, 2]),
                                                    (3, 8, [1, 1, 1]), (40, 1, [40])])
 def test_head_group_sizes(heads, groups, expected):
     from diffusers_sp.copy_engine import head_group_sizes
