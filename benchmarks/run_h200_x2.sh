@@ -18,13 +18,14 @@ step() {  # step NAME SECONDS CMD...
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name exit $?"
   grep -v "Warning\|warn(\|_warn_once\|^W1" "$OUT/$name.log" | tail -n 25
 }
-# Rows of both transports side by side (the default, sp_transport="auto", is the copy engines here).
-NCCL_ROWS='{"ulysses nccl": ["ulysses", {"sp_transport": "nccl"}], "kv_gather nccl": ["kv_gather", {"sp_transport": "nccl"}]}'
+# Rows of both transports side by side (sp_transport="auto" is the copy engines for K/V-gather and
+# NCCL for Ulysses here).
+TRANSPORT_ROWS='{"ulysses copy_engine": ["ulysses", {"sp_transport": "copy_engine"}], "kv_gather nccl": ["kv_gather", {"sp_transport": "nccl"}]}'
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
   step bench2_13b 220 torchrun --nproc-per-node 2 benchmarks/bench_transformer.py --cases 1.3b --no-compile \
-    --no-stock-variants --variants "$NCCL_ROWS" --json "$OUT/bench2_13b.json"
+    --no-stock-variants --variants "$TRANSPORT_ROWS" --json "$OUT/bench2_13b.json"
   step bench2_14b 200 torchrun --nproc-per-node 2 benchmarks/bench_transformer.py --cases 14b --no-compile \
-    --no-stock-variants --no-sdpa-report --variants "$NCCL_ROWS" --json "$OUT/bench2_14b.json"
+    --no-stock-variants --no-sdpa-report --variants "$TRANSPORT_ROWS" --json "$OUT/bench2_14b.json"
   step vsa_kernel 120 python3 benchmarks/bench_vsa_kernel.py --sweep --bound --json "$OUT/vsa.json"
 fi
 if [ "$PART" = checks ] || [ "$PART" = all ]; then
