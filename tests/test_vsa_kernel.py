@@ -351,14 +351,3 @@ def test_triton_requirements_message_names_the_cause():
     with pytest.raises(ValueError, match="requires_grad=True"):
         fine_stage_triton(qt, kt, vt, torch.zeros(1, 2, layout.num_tiles, 1, dtype=torch.long),
                           layout.block_sizes, 1.0)
-
-
-@pytest.mark.parametrize("tile_volume,head_dim,expected", [(64, 128, 6), (128, 128, 2), (64, 64, 6), (256, 128, 2)])
-def test_tma_stages_fit_shared_memory(tile_volume, head_dim, expected):
-    """The TMA kernel's default pipeline depth: as many K/V stages as fit next to the Q tile."""
-    from diffusers_sp.kernels.vsa_triton import _TMA_SMEM_BUDGET, tma_stages
-
-    stages = tma_stages(tile_volume, head_dim, 2)
-    assert stages == expected
-    if expected > 2:
-        assert (2 * stages + 1) * tile_volume * head_dim * 2 <= _TMA_SMEM_BUDGET

@@ -37,21 +37,10 @@ _LOG2_E = 1.4426950408889634
 
 #: Launch configuration measured fastest on an H200 (bf16, V = 64, D = 128, top-63 of 624 tiles;
 #: benchmarks/RESULTS.md): one key tile per step, four warps (one warpgroup), and the tiles loaded by
-#: the tensor-memory accelerator (``tma``) where :func:`tma_applies`, as many pipeline stages as fit
-#: (``num_stages=None``: :func:`tma_stages`, 6 at that shape: 2.19 ms; 4 stages 2.33-2.48 ms; ordinary
-#: loads 2.88 ms in the same run). Without TMA ``None`` means 2 stages (ordinary loads: two tiles
-#: per step 3.4 ms, eight warps 5.4-7.0 ms).
+#: the tensor-memory accelerator (``tma``) where :func:`tma_applies`, four pipeline stages deep
+#: (2.45 ms against 3.07 ms with ordinary loads at two stages in the same run). ``num_stages=None``
+#: means 4 with TMA and 2 without (ordinary loads: two tiles per step 3.4 ms, eight warps 5.4-7.0 ms).
 DEFAULT_CONFIG = {"tiles_per_step": 1, "num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False}
-
-#: Shared memory the TMA kernel's pipeline may fill (bytes): below the 227 KiB a Hopper block can have.
-_TMA_SMEM_BUDGET = 216 * 1024
-
-
-def tma_stages(tile_volume: int, head_dim: int, element_size: int) -> int:
-    """Pipeline stages of the TMA kernel: each stage holds one K and one V tile, plus the Q tile
-    once; as many as fit :data:`_TMA_SMEM_BUDGET`, between 2 and 6."""
-    tile_bytes = tile_volume * head_dim * element_size
-    return max(2, min(6, (_TMA_SMEM_BUDGET // tile_bytes - 1) // 2))
 
 
 def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -134,7 +123,7 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
     topk = selected.shape[-1]
     grid = (num_q_tiles, batch * heads)
     use_tma = cfg["tma"] and cfg["tiles_per_step"] == 1 and tma_applies(q, k, v)
-    stages = cfg["num_stages"] or (tma_stages(tile_volume, head_dim, q.element_size()) if use_tma else 2)
+    stages = cfg["num_stages"] or (4 if use_tma else 2)
     if use_tma:
         flat = [t.contiguous().view(-1, head_dim) for t in (q, k, v, out)]  # [rows, D]; out is contiguous
         descs = [TensorDescriptor.from_tensor(t, [tile_volume, head_dim]) for t in flat]
