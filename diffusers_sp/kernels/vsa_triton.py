@@ -40,6 +40,8 @@ _LOG2_E = 1.4426950408889634
 #: the tensor-memory accelerator (``tma``) where :func:`tma_applies`, four pipeline stages deep
 #: (2.45 ms against 3.07 ms with ordinary loads at two stages in the same run). ``num_stages=None``
 #: means 4 with TMA and 2 without (ordinary loads: two tiles per step 3.4 ms, eight warps 5.4-7.0 ms).
+#: A later sweep timed 5 and 6 TMA stages at 2.20 and 2.19 ms (4: 2.33-2.48 ms); they are not the
+#: default because the GPU tests have not run with them.
 DEFAULT_CONFIG = {"tiles_per_step": 1, "num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False}
 
 
