@@ -55,8 +55,8 @@ class SequenceParallelHandle:
         world_size: Ranks in the group (1: nothing is split).
         traits: The pipeline's traits as read at enable time.
         group: The :class:`~diffusers_sp.groups.SPGroup`.
-        transport: How Ulysses or K/V-gather moves tensors: ``"nccl"`` or ``"copy_engine"``
-            (``sp_transport`` resolved; ``"nccl"`` for VSA).
+        transport: ``sp_transport`` resolved: ``"nccl"`` or ``"copy_engine"`` (``"nccl"`` for VSA;
+            under ``"copy_engine"``, Ulysses calls with joint text still use NCCL).
     """
 
     mode: str
@@ -219,7 +219,7 @@ def _resolve_transport(requested: str, mode: str, group: SPGroup, name: str) -> 
     """``sp_transport`` resolved for ``mode``: ``"nccl"`` or ``"copy_engine"``.
 
     ``"auto"`` picks the copy engines for K/V-gather at world size 2 where they can run (on 2 H200s:
-    as fast as NCCL or up to 2 % faster, the same bits) and NCCL otherwise: for Ulysses (the copy
+    0.6-2 % faster than NCCL on the Wan 1.3B shape, no measurable difference at 14B; the same bits) and NCCL otherwise: for Ulysses (the copy
     engines measured within noise of NCCL there, for twice the buffer memory) and above 2 ranks
     (not yet run on GPUs; CPU CI cannot run it). ``"copy_engine"`` asks for them in either dense
     mode at any world size. VSA always uses NCCL.

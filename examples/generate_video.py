@@ -147,8 +147,8 @@ def main(argv=None) -> int:
     # so every rank creates every one-rank group.
     solo_groups = ([dist.new_group([r]) for r in range(dist.get_world_size())]
                    if args.check and args.mode == "vsa" and dist.is_initialized() else None)
-    log.info("%s: mode=%s (sp_mode=%s) world_size=%d device=%s dtype=%s", type(pipe).__name__, handle.mode,
-             handle.sp_mode, handle.world_size, device, dtype)
+    log.info("%s: mode=%s (sp_mode=%s, transport=%s) world_size=%d device=%s dtype=%s", type(pipe).__name__,
+             handle.mode, handle.sp_mode, handle.transport, handle.world_size, device, dtype)
     if handle.num_replicas > 1 or handle.cfg_degree > 1:
         log.info("replicas=%d cfg=%d sp=%d", handle.num_replicas, handle.cfg_degree, handle.world_size)
     if args.prompts_file:
