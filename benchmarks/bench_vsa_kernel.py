@@ -181,7 +181,6 @@ def main() -> int:
         for stages in (2, 3, 4, 5, 6):
             cfg = {"tma": True, "num_stages": stages}
             cases[f"triton_tma_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
-        cases["triton_tma_s4_warp_specialize"] = lambda: triton_fine_stage_only({"warp_specialize": True})
         for tiles in (1, 2):
             for warps in (4,):
                 for stages in (1, 2, 3):

@@ -350,7 +350,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree)
         group = pgroups.sp
     transport = _resolve_transport(opts["sp_transport"], resolved, group, traits.name)
-    _check_same_on_all_ranks(group, (traits.fingerprint(), resolved, opts["attention_kernel"], transport,
+    _check_same_on_all_ranks(group, (traits.fingerprint(), resolved, opts["attention_kernel"], transport, groups_opt,
                                      None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"],
                                                                opts["vsa_gate_weights"] is not None),
                                      layout.num_replicas, layout.cfg_degree, bool(parallel_vae)))

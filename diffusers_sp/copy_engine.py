@@ -21,13 +21,22 @@ the transfer of group g + 1 runs under it; a closing barrier (everyone has finis
 the next call write again. The transfers move the same bits as NCCL would: results are
 bit-identical to the NCCL path.
 
-Requirements (checked by :func:`copy_engine_unavailable_reason`): CUDA tensors, an NCCL group whose
-ranks are all on one host (symmetric memory maps peer memory over NVLink/PCIe), and a PyTorch with
-symmetric memory. The buffer (:func:`workspace`) is sized for the largest call seen and kept between
+Bit-identity also relies on the local attention kernel computing each head independently of the
+other heads in the call (true of SDPA's backends and flash-attn), since the copy-engine paths
+attend head group by head group.
+
+Requirements (checked by :func:`copy_engine_unavailable_reason`): CUDA tensors, an NCCL group of a
+single-host launch with peer access between the GPUs (symmetric memory maps peer memory over
+NVLink/PCIe), and torch 2.6 or newer. The buffer (:func:`workspace`) is sized for the largest call seen and kept between
 calls until ``disable()`` (:func:`release_workspaces`): 2 x S x B x H x D elements for K/V-gather
-(the gathered K and V, which the NCCL path allocates per call instead), about 4 x S x B x H x D for
-Ulysses at two ranks. PyTorch's allocator statistics do not count it; :func:`symmetric_memory_bytes`
-does.
+(the gathered K and V, which the NCCL path allocates per call instead), about 8 x S x B x H x D / P
+for Ulysses over P ranks. :func:`symmetric_memory_bytes` reports it; on the GPU machines (torch 2.11)
+``torch.cuda.max_memory_allocated`` did not include it. Whether ``release_workspaces`` returns the
+memory to the device or to a pool of torch's symmetric-memory allocator (``TORCH_SYMMMEM_IMPLICIT_POOL``
+in newer torch) is torch's choice and has not been measured. Before the first allocation the module
+sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` in the process environment unless it is already set:
+these copies never use NVLink multicast, and creating multicast objects costs resources (some
+shared machines forbid it); later symmetric-memory users in the process see that setting too.
 """
 
 from __future__ import annotations
@@ -37,7 +46,6 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from .groups import TIMEOUT_ENV, SPGroup
 from .sharding import balanced_sizes
@@ -72,9 +80,11 @@ def head_group_sizes(num_heads: int, head_groups: int | str) -> list[int]:
 def copy_engine_unavailable_reason(group: SPGroup) -> str | None:
     """Why the copy-engine transport cannot run on ``group`` (``None``: it can).
 
-    Checks, without any collective: more than one rank; an NCCL group (CUDA tensors); torch's CUDA
-    symmetric memory; all ranks of the group on this host (global ranks within this node's block of
-    ``LOCAL_WORLD_SIZE`` consecutive ranks, the layout ``torchrun`` and ``accelerate launch`` use).
+    Checks, without any collective and with the same answer on every rank: more than one rank; an
+    NCCL group (CUDA tensors); torch's symmetric memory with ``empty`` and ``rendezvous`` (torch 2.6
+    and newer); a single-host launch (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as ``torchrun`` and
+    ``accelerate launch`` set them; multi-host launches are not used even when the group sits on
+    one host); and peer access between every pair of visible GPUs (two or more must be visible).
     """
     if group.world_size == 1:
         return "one rank: nothing to transfer"
@@ -86,14 +96,22 @@ def copy_engine_unavailable_reason(group: SPGroup) -> str | None:
     if getattr(c10d, "_SymmetricMemory", None) is None or importlib.util.find_spec(
             "torch.distributed._symmetric_memory") is None:
         return "this PyTorch has no symmetric memory (torch.distributed._symmetric_memory)"
-    local_world = os.environ.get("LOCAL_WORLD_SIZE")
-    if not local_world:
-        return "LOCAL_WORLD_SIZE is not set, so whether all ranks share one host is unknown"
-    local_world = int(local_world)
-    ranks = dist.get_process_group_ranks(group.group)
-    nodes = {r // local_world for r in ranks}
-    if len(nodes) != 1:
-        return f"the group spans {len(nodes)} hosts (symmetric memory needs the ranks on one host)"
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if not (hasattr(symm_mem, "empty") and hasattr(symm_mem, "rendezvous")):
+        return "this PyTorch's symmetric memory lacks empty/rendezvous (torch 2.6 or newer needed)"
+    local_world, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if not local_world or not world:
+        return "LOCAL_WORLD_SIZE or WORLD_SIZE is not set, so whether all ranks share one host is unknown"
+    if int(local_world) != int(world):
+        return f"the launch spans several hosts (LOCAL_WORLD_SIZE={local_world}, WORLD_SIZE={world})"
+    count = torch.cuda.device_count()
+    if count < 2:
+        return "each process sees one GPU, so peer access between the GPUs cannot be checked"
+    missing = [(a, b) for a in range(count) for b in range(count)
+               if a != b and not torch.cuda.can_device_access_peer(a, b)]
+    if missing:
+        return f"GPUs {missing[0][0]} and {missing[0][1]} have no peer access"
     return None
 
 
@@ -137,6 +155,7 @@ def workspace(group: SPGroup, nbytes: int, device: torch.device) -> _Workspace:
         torch.cuda.synchronize(device)
         stream = ws.stream
         del _WORKSPACES[key]
+        ws = None  # the old buffer goes before the new one is allocated
     # Our copies never use NVLink multicast; do not let the rendezvous create multicast objects.
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)

@@ -331,3 +331,13 @@ def case_error_copy_engine_on_gloo():
         finally:
             handle.disable()
     return {"error": msg, "auto": auto}
+
+
+def case_error_head_groups_disagree():
+    """Ranks passing different overlap_head_groups would lay out the copy-engine buffer differently
+    (or run different barrier counts): refused on every rank at enable time."""
+    from diffusers_sp.groups import resolve_group
+
+    rank = resolve_group().rank
+    return error_of(lambda: enable_sequence_parallel(tm.tiny_cogvideox_transformer(), mode="kv_gather",
+                                                     overlap_head_groups=rank + 1))

@@ -89,3 +89,10 @@ def test_copy_engine_transport_refused_on_gloo(results):
         assert "sp_transport='copy_engine' cannot run here" in v["error"] and "not NCCL" in v["error"], v["error"]
         assert v["auto"]["transport"] == "nccl"
         assert_close(v["auto"], f"P={P} rank {rank} kv_gather with sp_transport='auto' on gloo")
+
+
+def test_head_groups_must_agree_across_ranks(results):
+    P, res = results
+    msgs = values(res, "error_head_groups_disagree")
+    assert len(set(msgs)) == 1
+    assert "ranks disagree" in msgs[0], msgs[0]

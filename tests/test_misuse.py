@@ -96,3 +96,28 @@ def test_head_group_sizes(heads, groups, expected):
     from diffusers_sp.copy_engine import head_group_sizes
 
     assert head_group_sizes(heads, groups) == expected
+
+
+def test_copy_engine_availability_reasons(monkeypatch):
+    """The checks behind sp_transport: each missing requirement is named, from local facts only."""
+    from diffusers_sp import copy_engine
+    from diffusers_sp.groups import SPGroup
+
+    group = SPGroup(None, 0, 2, "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "CUDA is not available" in copy_engine.copy_engine_unavailable_reason(group)
+    assert "not NCCL" in copy_engine.copy_engine_unavailable_reason(SPGroup(None, 0, 2, "gloo"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert "several hosts" in copy_engine.copy_engine_unavailable_reason(group)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "sees one GPU" in copy_engine.copy_engine_unavailable_reason(group)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: {a, b} != {1, 2})
+    assert "GPUs 1 and 2 have no peer access" in copy_engine.copy_engine_unavailable_reason(group)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    assert copy_engine.copy_engine_unavailable_reason(group) is None
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert "not set" in copy_engine.copy_engine_unavailable_reason(group)

@@ -42,7 +42,7 @@ _LOG2_E = 1.4426950408889634
 #: means 4 with TMA and 2 without (ordinary loads: two tiles per step 3.4 ms, eight warps 5.4-7.0 ms).
 #: A later sweep timed 5 and 6 TMA stages at 2.20 and 2.19 ms (4: 2.33-2.48 ms); they are not the
 #: default because the GPU tests have not run with them.
-DEFAULT_CONFIG = {"tiles_per_step": 1, "num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False}
+DEFAULT_CONFIG = {"tiles_per_step": 1, "num_warps": 4, "num_stages": None, "tma": True}
 
 
 def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -99,8 +99,7 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
             {1, 2, 4} with ``V * tiles_per_step <= 256``, ``num_warps``, ``num_stages``, ``tma``:
             load the tiles with the Hopper tensor-memory accelerator through Triton's tensor
             descriptors, used with one tile per step where :func:`tma_applies`, else ordinary
-            loads; ``warp_specialize``: Triton's automatic warp specialization of the TMA loop,
-            which Triton documents for Blackwell only), for benchmarks and tests.
+            loads), for benchmarks and tests.
 
     Returns:
         ``[B, H, Nq, V, D]`` contiguous, q's dtype: softmax over the selected key slots, float32
@@ -131,7 +130,7 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
         descs = [TensorDescriptor.from_tensor(t, [tile_volume, head_dim]) for t in flat]
         _vsa_fine_kernel_tma[grid](
             *descs, selected, kv_block_sizes, *selected.stride(), heads, num_q_tiles, k.shape[2], topk,
-            scale * _LOG2_E, TILE=tile_volume, HEAD_DIM=head_dim, WARP_SPECIALIZE=cfg["warp_specialize"],
+            scale * _LOG2_E, TILE=tile_volume, HEAD_DIM=head_dim,
             num_warps=cfg["num_warps"], num_stages=stages)
         return out
     _vsa_fine_kernel[grid](
@@ -195,7 +194,7 @@ if triton is not None:
     @triton.jit
     def _vsa_fine_kernel_tma(q_desc, k_desc, v_desc, o_desc, Sel, KVSizes, s_sb, s_sh, s_sn, s_sk,
                              num_heads, num_q_tiles, num_kv_tiles, topk, scale_log2,
-                             TILE: tl.constexpr, HEAD_DIM: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                             TILE: tl.constexpr, HEAD_DIM: tl.constexpr):
         # The same recurrence as _vsa_fine_kernel, one key tile per step, with every tile moved by
         # the tensor-memory accelerator: q, k, v and out are [rows of TILE tokens, HEAD_DIM] 2-D
         # views, tile i of (batch, head) bh at row (bh * num_tiles + i) * TILE.
@@ -210,7 +209,7 @@ if triton is not None:
         m_i = tl.full([TILE], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([TILE], dtype=tl.float32)
         acc = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
-        for i in tl.range(0, topk, warp_specialize=WARP_SPECIALIZE):
+        for i in range(0, topk):
             kv_tile = tl.load(sel_base + i * s_sk).to(tl.int32)
             n_valid = tl.load(KVSizes + kv_tile)
             k = k_desc.load([(kv_row0 + kv_tile) * TILE, 0])
