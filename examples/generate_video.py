@@ -147,8 +147,10 @@ def main(argv=None) -> int:
     # so every rank creates every one-rank group.
     solo_groups = ([dist.new_group([r]) for r in range(dist.get_world_size())]
                    if args.check and args.mode == "vsa" and dist.is_initialized() else None)
-    log.info("%s: mode=%s (sp_mode=%s, transport=%s) world_size=%d device=%s dtype=%s", type(pipe).__name__,
-             handle.mode, handle.sp_mode, handle.transport, handle.world_size, device, dtype)
+    transport = ("copy engines" if handle.transport == "copy_engine"
+                 else f"{handle.group.backend} collectives" if handle.group.backend else "none (one process)")
+    log.info("%s: mode=%s (sp_mode=%s, transfers: %s) world_size=%d device=%s dtype=%s", type(pipe).__name__,
+             handle.mode, handle.sp_mode, transport, handle.world_size, device, dtype)
     if handle.num_replicas > 1 or handle.cfg_degree > 1:
         log.info("replicas=%d cfg=%d sp=%d", handle.num_replicas, handle.cfg_degree, handle.world_size)
     if args.prompts_file:
@@ -199,6 +201,7 @@ def _single_process(pipe, args, solo_groups) -> None:
         enable_sequence_parallel(pipe, mode="vsa", process_group=solo, vsa_sparsity=args.vsa_sparsity)
     if args.parallel_vae:  # the parallel decode equals the single-process *tiled* decode
         pipe.vae.enable_tiling()
+    pipe.set_progress_bar_config(desc="--check: one-process reference")
 
 
 def _output_path(output: str, index: int) -> str:
