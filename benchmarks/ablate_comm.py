@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_transformer as bt  # noqa: E402  (same models, inputs and process setup)
+from profile_step import kernel_ms  # noqa: E402
 
 
 def _no_transfer_gather(key, value, sizes, group):
@@ -69,21 +70,6 @@ def synchronizing_ops(fn) -> list[str]:
             key = f"{w.filename}:{w.lineno}: {str(w.message)[:80]}"
             sites[key] = sites.get(key, 0) + 1
     return [f"{n} x {k}" for k, n in sites.items()]
-
-
-def kernel_times(fn) -> tuple[float, dict]:
-    """Busy GPU time of one call of ``fn`` (sum of kernel and copy durations, ms) and ms per kernel name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    per_kernel = {}
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[evt.name[:100]] = per_kernel.get(evt.name[:100], 0.0) + evt.device_time / 1e3
-    return sum(per_kernel.values()), per_kernel
 
 
 def main(argv=None):
@@ -131,7 +117,8 @@ def main(argv=None):
             print("  stock synchronizing ops:", synchronizing_ops(step) or "none", flush=True)
         else:
             synchronizing_ops(step)
-        stock_busy, stock_kernels = kernel_times(step)
+        stock_kernels = kernel_ms(step)
+        stock_busy = sum(stock_kernels.values())
 
         original = kv_gather.gather_kv
         kv_gather.gather_kv = _no_transfer_gather
@@ -143,14 +130,16 @@ def main(argv=None):
             sites = synchronizing_ops(step)
             if ctx.is0:
                 print("  ours synchronizing ops:", sites or "none", flush=True)
-            busy, kernels = kernel_times(step)
+            kernels = kernel_ms(step)
+            busy = sum(kernels.values())
             if ctx.is0:
                 print(f"  busy GPU ms per step: stock {stock_busy:.1f} (half {stock_busy / 2:.1f}), "
                       f"ours no transfer {busy:.1f}; kernels furthest above half of stock (ms):", flush=True)
                 excess = {n: kernels.get(n, 0.0) - stock_kernels.get(n, 0.0) / 2
                           for n in set(kernels) | set(stock_kernels)}
                 for n, x in sorted(excess.items(), key=lambda kv: -kv[1])[:12]:
-                    print(f"    {x:+7.2f}  ours {kernels.get(n, 0.0):7.2f}  stock/2 {stock_kernels.get(n, 0.0) / 2:7.2f}  {n}")
+                    print(f"    {x:+7.2f}  ours {kernels.get(n, 0.0):7.2f}  "
+                          f"stock/2 {stock_kernels.get(n, 0.0) / 2:7.2f}  {n[:100]}")
                 report.append(dict(case=case_name, row="busy", stock_busy=stock_busy, ours_no_transfer_busy=busy,
                                    excess=sorted(excess.items(), key=lambda kv: -kv[1])[:20]))
             handle.disable()

@@ -43,22 +43,32 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile_one(ctx, fn, steps: int):
-    """Kernel times of rank 0 for ``steps`` calls of ``fn``: (per-category ms per step, top kernels)."""
+def kernel_ms(fn, steps: int = 1) -> dict:
+    """CUDA kernel (and copy) time of this rank per kernel name, ms per call, over ``steps`` calls of ``fn``.
+
+    Kernels on different streams are summed even where they overlap.
+    """
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    per_cat, per_kernel = defaultdict(float), defaultdict(float)
+    per_kernel = defaultdict(float)
     for evt in prof.events():
-        if evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        ms = evt.device_time / 1e3 / steps  # device_time is in microseconds
-        per_cat[category(evt.name)] += ms
-        per_kernel[evt.name[:90]] += ms
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[evt.name] += evt.device_time / 1e3 / steps  # device_time is in microseconds
+    return dict(per_kernel)
+
+
+def profile_one(ctx, fn, steps: int):
+    """Kernel times of rank 0 for ``steps`` calls of ``fn``: (per-category ms per step, top kernels)."""
+    per_kernel = kernel_ms(fn, steps)
+    per_cat = defaultdict(float)
+    for name, ms in per_kernel.items():
+        per_cat[category(name)] += ms
+    top = [(name[:90], ms) for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]]
     return dict(per_cat), top
 
 

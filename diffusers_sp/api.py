@@ -11,7 +11,7 @@ import torch.distributed as dist
 from diffusers.hooks import HookRegistry
 
 from .comm import broadcast_tensor
-from .copy_engine import TRANSPORTS, copy_engine_unavailable_reason, release_workspaces
+from .copy_engine import TRANSPORTS, copy_engine_unavailable_reason, head_group_sizes, release_workspaces
 from .groups import SPGroup, resolve_group, world_size_for
 from .kernels.sdpa import KERNELS
 from .pipelines import FamilySpec, family_for
@@ -219,10 +219,10 @@ def _resolve_transport(requested: str, mode: str, group: SPGroup, name: str) -> 
     """``sp_transport`` resolved for ``mode``: ``"nccl"`` or ``"copy_engine"``.
 
     ``"auto"`` picks the copy engines for K/V-gather at world size 2 where they can run (on 2 H200s:
-    0.6-2 % faster than NCCL on the Wan 1.3B shape, no measurable difference at 14B; the same bits) and NCCL otherwise: for Ulysses (the copy
-    engines measured within noise of NCCL there, for twice the buffer memory) and above 2 ranks
-    (not yet run on GPUs; CPU CI cannot run it). ``"copy_engine"`` asks for them in either dense
-    mode at any world size. VSA always uses NCCL.
+    0.6-2 % faster than NCCL on the Wan 1.3B shape, no measurable difference at 14B; the same bits)
+    and NCCL otherwise: for Ulysses (the copy engines measured within noise of NCCL there, for twice
+    the buffer memory) and above 2 ranks (not yet run on GPUs; CPU CI cannot run it).
+    ``"copy_engine"`` asks for them in either dense mode at any world size. VSA always uses NCCL.
 
     Raises:
         SequenceParallelConfigError: ``"copy_engine"`` was asked for where it cannot run (the same
@@ -274,7 +274,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             run); see :mod:`diffusers_sp.copy_engine`. Ulysses calls with joint text use NCCL
             either way.
             ``overlap_head_groups``: ``"auto"`` (2) or a positive int, the head groups whose
-            copy-engine transfers overlap the attention. For ``mode="vsa"``: ``vsa_sparsity`` (fraction of key tiles skipped, default 0.9),
+            copy-engine transfers overlap the attention. For ``mode="vsa"``: ``vsa_sparsity``
+            (fraction of key tiles skipped, default 0.9),
             ``vsa_tile_size`` (default ``(4, 4, 4)`` latent patches, frames first), ``vsa_sp_mode``
             (``"auto"``, ``"ulysses"``, ``"kv_gather"``: the communication underneath) and
             ``vsa_gate_weights`` (path of a safetensors file or folder with
@@ -301,9 +302,10 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     if opts["sp_transport"] not in TRANSPORTS:
         raise SequenceParallelConfigError(f"sp_transport={opts['sp_transport']!r} is not one of {TRANSPORTS}.")
     groups_opt = opts["overlap_head_groups"]
-    if groups_opt != "auto" and (isinstance(groups_opt, bool) or not isinstance(groups_opt, int) or groups_opt < 1):
-        raise SequenceParallelConfigError(
-            f"overlap_head_groups must be 'auto' or a positive int, got {groups_opt!r}.")
+    try:
+        head_group_sizes(1, groups_opt)  # the copy engines' own check of the option
+    except ValueError as exc:
+        raise SequenceParallelConfigError(f"{exc}.") from None
     traits = read_traits(target)
     family = family_for(target)
     models = _models_of(target, family)
@@ -386,11 +388,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 # which the wrapper catches.
                 inner._attention_backend = "native"
             installed.processors.append((module, inner, backend))
-            if resolved in ("ulysses", "kv_gather"):
+            if vsa is None:
                 processor = processor_cls(inner, state, kernel=opts["attention_kernel"], transport=transport,
                                           head_groups=groups_opt)
-            elif vsa is None:
-                processor = processor_cls(inner, state, kernel=opts["attention_kernel"])
             else:
                 gate = vsa["gates"][index][layer] if vsa["gates"][index] is not None else None
                 processor = VideoSparseAttnProcessor(inner, state, sparsity=vsa["sparsity"], sp_mode=vsa["sp_mode"],

@@ -134,6 +134,14 @@ class _Workspace:
 _WORKSPACES: dict = {}  # (group name, device index) -> _Workspace
 
 
+def _retire(ws: _Workspace) -> None:
+    """Waits until no peer can still read ``ws``'s buffer (its last closing barrier has passed, on
+    the current stream, and the device is idle), so that the buffer may be dropped."""
+    device = ws.buffer.device
+    torch.cuda.current_stream(device).wait_event(ws.free)
+    torch.cuda.synchronize(device)
+
+
 def workspace(group: SPGroup, nbytes: int, device: torch.device) -> _Workspace:
     """The group's symmetric buffer of at least ``nbytes`` bytes (allocated or grown collectively).
 
@@ -150,11 +158,8 @@ def workspace(group: SPGroup, nbytes: int, device: torch.device) -> _Workspace:
         # High priority: the barrier kernels on it get an SM as soon as one frees up.
         stream = torch.cuda.Stream(device=device, priority=-1)
     else:
-        # Peers may still read the old buffer until the last call's closing barrier.
-        torch.cuda.current_stream(device).wait_event(ws.free)
-        torch.cuda.synchronize(device)
         stream = ws.stream
-        del _WORKSPACES[key]
+        _retire(_WORKSPACES.pop(key))
         ws = None  # the old buffer goes before the new one is allocated
     # Our copies never use NVLink multicast; do not let the rendezvous create multicast objects.
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -186,7 +191,4 @@ def release_workspaces(group: SPGroup | None = None) -> None:
     for key in list(_WORKSPACES):
         if group is not None and key[0] != group.group.group_name:
             continue
-        ws = _WORKSPACES.pop(key)
-        device = ws.buffer.device
-        torch.cuda.current_stream(device).wait_event(ws.free)
-        torch.cuda.synchronize(device)
+        _retire(_WORKSPACES.pop(key))

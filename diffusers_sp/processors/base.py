@@ -181,6 +181,10 @@ class SequenceParallelAttnProcessor:
             sequence length, and ``extra["joint_text"]``: ``None``, ``"prefix"`` or ``"suffix"``),
             shared with the sharding hooks.
         kernel: Local attention kernel, see :func:`diffusers_sp.kernels.sdpa.local_attention`.
+        transport: ``"nccl"`` (the group's collectives; also gloo) or ``"copy_engine"``
+            (:mod:`diffusers_sp.copy_engine`; resolved by ``enable_sequence_parallel``). Used by the
+            dense strategies; see :meth:`use_copy_engine`.
+        head_groups: G of the copy-engine pipeline (``"auto"`` or a positive int).
 
     Subclasses implement :meth:`parallel_attention`. Tensors seen by it are ``[B, H, T + S_r, D]``
     (Diffusers' SDPA layout): ``T`` replicated text tokens (0 without joint text) and this rank's
@@ -195,10 +199,19 @@ class SequenceParallelAttnProcessor:
             cls = _specialize(cls, type(inner))
         return object.__new__(cls)
 
-    def __init__(self, inner, state: SequenceState, *, kernel: str = "auto"):
+    def __init__(self, inner, state: SequenceState, *, kernel: str = "auto", transport: str = "nccl",
+                 head_groups: int | str = "auto"):
         self.inner = inner
         self.state = state
         self.kernel = kernel
+        self.transport = transport
+        self.head_groups = head_groups
+
+    def use_copy_engine(self, query: torch.Tensor) -> bool:
+        """Whether this call moves its tensors by the copy engines: ``transport="copy_engine"``, CUDA
+        tensors, and not under ``torch.compile`` (streams and events do not trace; the NCCL path's
+        functional collectives do)."""
+        return self.transport == "copy_engine" and query.is_cuda and not torch.compiler.is_compiling()
 
     def _run(self, attn, *args, **kwargs):
         with _AttentionCallIntercept(self._attend):

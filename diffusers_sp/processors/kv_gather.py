@@ -157,27 +157,16 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
 class KVGatherAttnProcessor(SequenceParallelAttnProcessor):
     """Attention processor running the model's own processor with K/V-gather sequence parallelism.
 
-    See :func:`kv_gather_attention` for the algorithm and
-    :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments. Extra:
-
-    Args:
-        transport: ``"nccl"`` (the group's all-gather; also gloo) or ``"copy_engine"``
-            (:func:`kv_gather_attention_copy_engine`; resolved by ``enable_sequence_parallel``).
-        head_groups: G of the copy-engine pipeline (``"auto"`` or a positive int).
+    See :func:`kv_gather_attention` (NCCL) and :func:`kv_gather_attention_copy_engine` (copy
+    engines) for the algorithm and
+    :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments.
     """
 
     strategy = "kv_gather"
 
-    def __init__(self, inner, state, *, kernel: str = "auto", transport: str = "nccl",
-                 head_groups: int | str = "auto"):
-        super().__init__(inner, state, kernel=kernel)
-        self.transport = transport
-        self.head_groups = head_groups
-
     def parallel_attention(self, query, key, value, sizes, *, scale, text_len=0, text_layout=None, key_mask=None):
         kwargs = dict(scale=scale, kernel=self.kernel, text_len=text_len, text_layout=text_layout, key_mask=key_mask)
-        # Streams and events do not trace: under torch.compile the NCCL path (functional collectives) runs.
-        if self.transport == "copy_engine" and query.is_cuda and not torch.compiler.is_compiling():
+        if self.use_copy_engine(query):
             return kv_gather_attention_copy_engine(query, key, value, sizes, self.state.group,
                                                    head_groups=self.head_groups, **kwargs)
         return kv_gather_attention(query, key, value, sizes, self.state.group, **kwargs)

@@ -213,7 +213,7 @@ def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value:
     back_base = recv_base + recv_rows  # local: received output rows [p, g: [S_r, B, h_pg, D]]
     total = back_base + S_r * unit * H
     # Every rank's buffer must be as large as every other's (same byte count on all ranks).
-    nbytes = (out_base + S * unit * max(heads) + 3 * S * unit * max(heads) + max(sizes) * unit * H) * query.element_size()
+    nbytes = (recv_base + 3 * S * unit * max(heads) + max(sizes) * unit * H) * query.element_size()
     ws = workspace(group, nbytes, device)
     flat = ws.buffer[:total * query.element_size()].view(dtype)
 
@@ -297,26 +297,14 @@ class UlyssesAttnProcessor(SequenceParallelAttnProcessor):
     Wraps ``inner`` (the model's processor); tensors in the taken-over attention call are
     ``[B, H, T + S_r, D]`` (replicated text tokens, if any, and this rank's image shard). See
     :func:`ulysses_attention` for the algorithm, and
-    :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments. Extra:
-
-    Args:
-        transport: ``"nccl"`` or ``"copy_engine"`` (:func:`ulysses_attention_copy_engine`, used for
-            calls without joint text; resolved by ``enable_sequence_parallel``).
-        head_groups: G of the copy-engine pipeline (``"auto"`` or a positive int).
+    :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments. With
+    ``transport="copy_engine"``, calls without joint text run :func:`ulysses_attention_copy_engine`.
     """
 
     strategy = "ulysses"
 
-    def __init__(self, inner, state, *, kernel: str = "auto", transport: str = "nccl",
-                 head_groups: int | str = "auto"):
-        super().__init__(inner, state, kernel=kernel)
-        self.transport = transport
-        self.head_groups = head_groups
-
     def parallel_attention(self, query, key, value, sizes, *, scale, text_len=0, text_layout=None, key_mask=None):
-        # Streams and events do not trace: under torch.compile the NCCL path (functional collectives) runs.
-        if (self.transport == "copy_engine" and text_len == 0 and query.is_cuda
-                and not torch.compiler.is_compiling()):
+        if text_len == 0 and self.use_copy_engine(query):
             return ulysses_attention_copy_engine(query, key, value, sizes, self.state.group, scale=scale,
                                                  kernel=self.kernel, key_mask=key_mask, head_groups=self.head_groups)
         return ulysses_attention(query, key, value, sizes, self.state.group, scale=scale, kernel=self.kernel,
