@@ -2,6 +2,7 @@
 # Everything this project measures on a 2 x H200 machine (device time is scarce), in two parts that
 # each fit one 10-minute device call:
 #   bash benchmarks/run_h200_x2.sh bench   # 2-GPU benchmarks (1.3B, 14B shapes), VSA kernel on GPU 0
+#   bash benchmarks/run_h200_x2.sh bench2  # only the 2-GPU benchmarks
 #   bash benchmarks/run_h200_x2.sh checks  # GPU tests, the main job with --check, 1-GPU VSA step
 # (no argument: both). Each step has its own time limit so that a slow step cannot starve the
 # others; logs and JSON go to $OUT (default ./bench_out).
@@ -18,14 +19,16 @@ step() {  # step NAME SECONDS CMD...
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name exit $?"
   grep -v "Warning\|warn(\|_warn_once\|^W1" "$OUT/$name.log" | tail -n 25
 }
-# Rows of both transports side by side (sp_transport="auto" is the copy engines for K/V-gather and
-# NCCL for Ulysses here).
-TRANSPORT_ROWS='{"ulysses copy_engine": ["ulysses", {"sp_transport": "copy_engine"}], "kv_gather nccl": ["kv_gather", {"sp_transport": "nccl"}]}'
-if [ "$PART" = bench ] || [ "$PART" = all ]; then
+# Rows of both transports side by side (sp_transport="auto" is the copy engines for both dense
+# modes on 2 GPUs of one host).
+TRANSPORT_ROWS='{"ulysses nccl": ["ulysses", {"sp_transport": "nccl"}], "kv_gather nccl": ["kv_gather", {"sp_transport": "nccl"}]}'
+if [ "$PART" = bench ] || [ "$PART" = bench2 ] || [ "$PART" = all ]; then
   step bench2_13b 220 torchrun --nproc-per-node 2 benchmarks/bench_transformer.py --cases 1.3b --no-compile \
     --no-stock-variants --variants "$TRANSPORT_ROWS" --json "$OUT/bench2_13b.json"
   step bench2_14b 200 torchrun --nproc-per-node 2 benchmarks/bench_transformer.py --cases 14b --no-compile \
     --no-stock-variants --no-sdpa-report --variants "$TRANSPORT_ROWS" --json "$OUT/bench2_14b.json"
+fi
+if [ "$PART" = bench ] || [ "$PART" = all ]; then
   step vsa_kernel 120 python3 benchmarks/bench_vsa_kernel.py --sweep --bound --json "$OUT/vsa.json"
 fi
 if [ "$PART" = checks ] || [ "$PART" = all ]; then

@@ -218,10 +218,10 @@ def _gate_paths(spec, traits: PipelineTraits) -> list:
 def _resolve_transport(requested: str, mode: str, group: SPGroup, name: str) -> str:
     """``sp_transport`` resolved for ``mode``: ``"nccl"`` or ``"copy_engine"``.
 
-    ``"auto"`` picks the copy engines for K/V-gather at world size 2 where they can run (on 2 H200s:
-    0.6-2 % faster than NCCL on the Wan 1.3B shape, no measurable difference at 14B; the same bits)
-    and NCCL otherwise: for Ulysses (the copy engines measured within noise of NCCL there, for twice
-    the buffer memory) and above 2 ranks (not yet run on GPUs; CPU CI cannot run it).
+    ``"auto"`` picks the copy engines for both dense modes at world size 2 where they can run (the
+    same bits; on 2 H200s, Wan 1.3B shape, Ulysses 332-330 ms against NCCL's 345-338 ms and K/V-gather
+    333 against 338, benchmarks/RESULTS.md) and NCCL otherwise: above 2 ranks they have not run on
+    GPUs (CPU CI cannot run them).
     ``"copy_engine"`` asks for them in either dense mode at any world size. VSA always uses NCCL.
 
     Raises:
@@ -230,7 +230,7 @@ def _resolve_transport(requested: str, mode: str, group: SPGroup, name: str) -> 
     """
     if mode not in ("ulysses", "kv_gather") or requested == "nccl" or group.world_size == 1:
         return "nccl"  # at world size 1 nothing is transferred
-    if requested == "auto" and (mode == "ulysses" or group.world_size != 2):
+    if requested == "auto" and group.world_size != 2:
         return "nccl"
     reason = copy_engine_unavailable_reason(group)
     if reason is None:
@@ -268,9 +268,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         parallel_vae: Share the VAE's decode tiles over the ranks of a replica
             (:mod:`diffusers_sp.vae`; enables the VAE's tiling).
         **options: ``attention_kernel`` = ``"auto"`` | ``"sdpa"`` | ``"flash_attn"`` (local dense
-            kernel). ``sp_transport``: ``"auto"`` (default: for K/V-gather on 2 ranks the copy engines
-            through symmetric memory when both are CUDA devices of one host, else NCCL; NCCL for
-            Ulysses), ``"nccl"`` or ``"copy_engine"`` (either dense mode; an error where it cannot
+            kernel). ``sp_transport``: ``"auto"`` (default: on 2 ranks the copy engines through
+            symmetric memory when both are CUDA devices of one host, else NCCL), ``"nccl"`` or
+            ``"copy_engine"`` (either dense mode; an error where it cannot
             run); see :mod:`diffusers_sp.copy_engine`. Ulysses calls with joint text use NCCL
             either way.
             ``overlap_head_groups``: ``"auto"`` (2) or a positive int, the head groups whose

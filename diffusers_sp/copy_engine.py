@@ -41,6 +41,7 @@ shared machines forbid it); later symmetric-memory users in the process see that
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -115,6 +116,136 @@ def copy_engine_unavailable_reason(group: SPGroup) -> str | None:
     return None
 
 
+class _Memcpy2D(ctypes.Structure):
+    """The CUDA driver's ``CUDA_MEMCPY2D`` (cuda.h; field order and types as declared there)."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
+    ]
+
+
+_CU_MEMORYTYPE_DEVICE = 2  # cuda.h CUmemorytype
+_DRIVER: list = []  # [cuMemcpy2DAsync_v2, cuGetErrorString] once loaded
+
+
+def _driver():
+    if not _DRIVER:
+        lib = ctypes.CDLL("libcuda.so.1")  # the CUDA driver every CUDA process has loaded
+        copy = lib.cuMemcpy2DAsync_v2
+        copy.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+        copy.restype = ctypes.c_int
+        error = lib.cuGetErrorString
+        error.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        error.restype = ctypes.c_int
+        _DRIVER.extend((copy, error))
+    return _DRIVER
+
+
+def _pitched_rows(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``(rows, width, dst pitch, src pitch)`` in elements if ``dst`` and ``src`` (same shape) are
+    both ``rows`` rows of ``width`` contiguous elements at a uniform pitch each; else ``None``."""
+    dims = [(n, a, b) for n, a, b in zip(dst.shape, dst.stride(), src.stride()) if n != 1]
+    width = 1
+    while dims and dims[-1][1] == width and dims[-1][2] == width:
+        width *= dims.pop()[0]
+    if not dims:
+        return 1, width, width, width
+    rows, dst_pitch, src_pitch = dims.pop()
+    for n, a, b in reversed(dims):  # outer dims must continue the row sequence in both tensors
+        if a != dst_pitch * rows or b != src_pitch * rows:
+            return None
+        rows *= n
+    return rows, width, dst_pitch, src_pitch
+
+
+def _split_pitched(dst: torch.Tensor, src: torch.Tensor, budget: int) -> list | None:
+    """Pieces ``(dst, src, plan)`` covering the copy, each one pitched 2-D copy: the whole copy if
+    possible, else split along the smallest dim outside the contiguous rows (a batch or head dim),
+    recursively; ``None`` if more than ``budget`` pieces would be needed."""
+    plan = _pitched_rows(dst, src)
+    if plan is not None:
+        return [(dst, src, plan)]
+    inner = dst.dim()
+    width = 1
+    while inner and dst.stride(inner - 1) == width and src.stride(inner - 1) == width:
+        inner -= 1
+        width *= dst.shape[inner]
+    candidates = [d for d in range(inner) if dst.shape[d] > 1]
+    if not candidates:
+        return None
+    dim = min(candidates, key=lambda d: dst.shape[d])
+    if dst.shape[dim] > budget:
+        return None
+    pieces = []
+    for i in range(dst.shape[dim]):
+        sub = _split_pitched(dst.select(dim, i), src.select(dim, i), budget // dst.shape[dim])
+        if sub is None:
+            return None
+        pieces += sub
+    return pieces
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> bool:
+    """Copies ``src`` into ``dst`` on a copy engine: pitched 2-D copies on the current stream of the
+    current device.
+
+    ``Tensor.copy_`` runs non-contiguous copies as SM kernels; the driver's ``cuMemcpy2DAsync``
+    (CUDA driver API, called through ctypes) moves "rows" of contiguous bytes at any source and
+    destination pitch on a copy engine, between local memory and peers' symmetric memory alike
+    (measured on 2 H200s over NVLink: a head slice of a token-major ``[16380, 12, 128]`` bf16 tensor,
+    rows of 768-3072 bytes, is pushed to the peer at 310-370 GB/s, as fast as a contiguous copy of
+    the same bytes, and a GEMM running meanwhile slowed by 3 % against 37 % with an SM copy). This is
+    what lets a rank send one head slice of a token-major ``[S, H, D]`` tensor (rows of ``h * D``
+    elements at pitch ``H * D``) without packing it first.
+
+    Args:
+        dst, src: CUDA tensors of one shape and dtype (either may be a view into a peer's symmetric
+            buffer). Each pair of matching pieces must be rows of contiguous elements at a uniform
+            pitch: the whole tensors (e.g. ``[S, h, D]`` slices of ``[S, H, D]`` tensors), or, after
+            splitting along their smallest other dims (batch, heads), at most ``max_copies`` pieces.
+        max_copies: The most 2-D copies to issue for one call.
+
+    Returns:
+        ``True`` if the copy was issued on copy engines; ``False`` if the layouts do not split into
+        pitched rows within ``max_copies``, in which case nothing was copied and the caller copies
+        with ``Tensor.copy_``.
+
+    Raises:
+        ValueError: shapes or dtypes differ.
+        RuntimeError: the driver refused a copy (its error string is in the message).
+
+    The caller keeps both tensors alive (``record_stream``) until the current stream has run the copy.
+    """
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"copy_rows needs one shape and dtype, got {tuple(dst.shape)} {dst.dtype} "
+                         f"and {tuple(src.shape)} {src.dtype}")
+    if dst.numel() == 0:
+        return True
+    pieces = _split_pitched(dst, src, max_copies)
+    if pieces is None:
+        return False
+    copy, error = _driver()
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    size = dst.element_size()
+    for d, s, (rows, width, dst_pitch, src_pitch) in pieces:
+        spec = _Memcpy2D(srcMemoryType=_CU_MEMORYTYPE_DEVICE, srcDevice=s.data_ptr(), srcPitch=src_pitch * size,
+                         dstMemoryType=_CU_MEMORYTYPE_DEVICE, dstDevice=d.data_ptr(), dstPitch=dst_pitch * size,
+                         WidthInBytes=width * size, Height=rows)
+        status = copy(ctypes.byref(spec), stream)
+        if status != 0:
+            text = ctypes.c_char_p()
+            error(status, ctypes.byref(text))
+            raise RuntimeError(f"cuMemcpy2DAsync failed with CUDA error {status}: "
+                               f"{(text.value or b'unknown').decode()} (rows={rows}, width={width * size} B)")
+    return True
+
+
 @dataclass
 class _Workspace:
     """A symmetric buffer of one group on one device, with its handle, side stream and events."""
@@ -122,8 +253,9 @@ class _Workspace:
     buffer: torch.Tensor  # uint8, symmetric
     handle: object  # torch's _SymmetricMemory
     stream: torch.cuda.Stream
-    free: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # peers done reading
+    free: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # the last closing barrier
     events: list = field(default_factory=list)
+    calls: int = 0  # calls served since allocation (the same count on every rank)
 
     def event(self, i: int) -> torch.cuda.Event:
         while len(self.events) <= i:

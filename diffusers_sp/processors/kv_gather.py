@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import all_gather_dim0
-from ..copy_engine import barrier_timeout_ms, head_group_sizes, workspace
+from ..copy_engine import barrier_timeout_ms, copy_rows, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
 from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
 
@@ -79,14 +79,16 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
     head groups; the transfer of group g + 1 runs while group g attends, so about 1/G of the
     transfer stays exposed.
 
-    Per call (the scheme is described in :mod:`diffusers_sp.copy_engine`):
+    Every rank pushes: its buffer, laid out ``[(K, V), group g: [S, B, h_g, D]]`` (rows of rank p at
+    ``sum(sizes[:p])``), is written by itself and its peers. Per call:
 
-    1. compute stream: wait until every peer has finished reading the previous call's buffer, then
-       write this rank's K and V rows into its symmetric buffer, laid out
-       ``[(K, V), group g: [S, B, h_g, D]]`` (rows of rank p at ``sum(sizes[:p])``);
-    2. side stream: barrier (all rows written); per head group, copy-engine pulls of every peer's
-       rows, then an event; a closing barrier (all peers done reading) frees the buffer;
-    3. compute stream: attention of group g after its event, over ``[B, h_g, S, D]`` views of the
+    1. side stream, after the compute stream's work so far (this rank's previous attention has read
+       its buffer): barrier (every rank may now be written to); per head group, 2-D copy-engine
+       copies (:func:`~diffusers_sp.copy_engine.copy_rows`) of this rank's K and V rows of that
+       group, straight from the model's token-major tensors into every peer's buffer, then a barrier
+       (every peer's rows of this group have arrived) and an event; meanwhile the compute stream
+       copies this rank's own rows into its own buffer;
+    2. compute stream: attention of group g after its event, over ``[B, h_g, S, D]`` views of the
        buffer; the group outputs are written into one ``[B, T + S_r, H, D]`` buffer.
     """
     P, r = group.world_size, group.rank
@@ -97,7 +99,7 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
     txt_k, img_k = split_text_image(key, text_len, text_layout)
     txt_v, img_v = split_text_image(value, text_len, text_layout)
     dtype, device = key.dtype, key.device
-    # Region of (tensor i, group g): [S, B, h_g, D] at element offset base[i][g].
+    # Region of (tensor i, group g): [S, B, h_g, D] at element offset base[i][g], alike on every rank.
     per_tensor = S * B * H * D
     base = [[i * per_tensor + S * B * sum(heads[:g]) * D for g in range(G)] for i in range(2)]
     ws = workspace(group, 2 * per_tensor * key.element_size(), device)
@@ -106,11 +108,27 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
     def region(i: int, g: int) -> torch.Tensor:
         return flat[base[i][g]:base[i][g] + S * B * heads[g] * D].view(S, B, heads[g], D)
 
-    compute = torch.cuda.current_stream(device)
-    compute.wait_event(ws.free)
+    compute, side = torch.cuda.current_stream(device), ws.stream
+    inputs = [t.permute(2, 0, 1, 3) for t in (img_k, img_v)]  # [S_r, B, H, D] views
     lo, hi = offsets[r], offsets[r] + sizes[r]
-    for i, t in enumerate((img_k, img_v)):
-        rows = t.permute(2, 0, 1, 3)  # [S_r, B, H, D]
+    timeout = barrier_timeout_ms()
+    side.wait_stream(compute)
+    for t in inputs:
+        t.record_stream(side)
+    with torch.cuda.stream(side):
+        ws.handle.barrier(channel=0, timeout_ms=timeout)
+        for g in range(G):
+            h0 = sum(heads[:g])
+            for step in range(1, P):
+                p = (r + step) % P
+                for i, rows in enumerate(inputs):
+                    remote = ws.handle.get_buffer(p, (S, B, heads[g], D), dtype, base[i][g])[lo:hi]
+                    if not copy_rows(remote, rows[:, :, h0:h0 + heads[g]]):
+                        remote.copy_(rows[:, :, h0:h0 + heads[g]])  # an SM kernel writing over NVLink
+            ws.handle.barrier(channel=0, timeout_ms=timeout)
+            ws.event(g).record(side)
+        ws.free.record(side)
+    for i, rows in enumerate(inputs):  # own rows: compute stream, while the pushes run
         if all(n == heads[0] for n in heads):  # one copy: [G, S_r, B, h, D] into the G regions
             flat[i * per_tensor:(i + 1) * per_tensor].view(G, S, B, heads[0], D)[:, lo:hi].copy_(
                 rows.unflatten(2, (G, heads[0])).permute(2, 0, 1, 3, 4))
@@ -118,24 +136,6 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
             for g in range(G):
                 h0 = sum(heads[:g])
                 region(i, g)[lo:hi].copy_(rows[:, :, h0:h0 + heads[g]])
-
-    side = ws.stream
-    side.wait_stream(compute)
-    timeout = barrier_timeout_ms()
-    with torch.cuda.stream(side):
-        ws.handle.barrier(channel=0, timeout_ms=timeout)
-        for g in range(G):
-            for step in range(1, P):
-                p = (r + step) % P
-                if sizes[p] == 0:
-                    continue
-                for i in range(2):
-                    remote = ws.handle.get_buffer(p, (S, B, heads[g], D), dtype, base[i][g])
-                    rows = slice(offsets[p], offsets[p] + sizes[p])
-                    region(i, g)[rows].copy_(remote[rows])  # contiguous: cudaMemcpyAsync, a copy engine
-            ws.event(g).record(side)
-        ws.handle.barrier(channel=0, timeout_ms=timeout)
-        ws.free.record(side)
 
     per_head_mask = key_mask is not None and key_mask.shape[1] > 1
     out = query.new_empty(B, L, H, D).permute(0, 2, 1, 3) if G > 1 else None

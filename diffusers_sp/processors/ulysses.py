@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import all_to_all_flat
-from ..copy_engine import barrier_timeout_ms, head_group_sizes, workspace
+from ..copy_engine import barrier_timeout_ms, copy_rows, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
 from ..sharding import balanced_sizes
 from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
@@ -170,21 +170,25 @@ def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value:
             ``min(G, min_p h_p)`` balanced groups (the same count on every rank).
 
     Returns:
-        ``[B, H, S_r, D]``, a view of a ``[B, S_r, H, D]`` buffer.
+        ``[B, H, S_r, D]``, a view of a ``[B, S_r, H, D]`` region of the group's symmetric buffer. It
+        stays valid until the second-next copy-engine call on the group (two output regions
+        alternate), which covers model code that consumes the attention output at once or holds it
+        across one other attention call.
 
-    Per call (symmetric buffer of every rank: its send blocks ``[(Q, K, V), rank p, group g:
-    [S_r, B, h_pg, D]]`` and its output blocks ``[group g: [S, B, h_rg, D]]``, both read by peers; its
-    gathered Q/K/V and received output rows, local):
+    Every rank pushes: no packing copies. Its symmetric buffer holds, written by itself and its
+    peers, the gathered Q/K/V of its own heads ``[(Q, K, V), group g: [S, B, h_rg, D]]`` and two
+    alternating output regions ``[B, S_r, H, D]``. Per call:
 
-    1. compute stream: after the previous call's closing barrier, pack this rank's Q, K, V rows into
-       the send blocks (its own heads straight into its gathered buffers);
-    2. side stream: barrier; per head group, copy-engine pulls of every peer's block for this rank
-       and group into the rows of that peer, then an event;
-    3. compute stream: per group, attention after its event, its output written to the output block,
-       then an event; side stream: per group, after that event a barrier (every rank has written
-       that group's output) and pulls of this rank's rows of every peer's output block;
-    4. closing barrier (peers done reading) on the side stream; the compute stream waits for the last
-       pulls and joins the received heads into ``[B, S_r, H, D]``.
+    1. side stream, after the compute stream's work so far (so this rank's previous attention and
+       output projection have read its buffer): barrier (every rank may now be written to); per head
+       group, 2-D copy-engine copies (:func:`~diffusers_sp.copy_engine.copy_rows`) of this rank's
+       Q/K/V rows of each peer's heads of that group, straight from the model's token-major tensors
+       into the peer's buffer, then a barrier (every peer's rows of this group have arrived) and an
+       event; meanwhile the compute stream copies this rank's own rows of its own heads;
+    2. compute stream: per group, attention after its event, its own rows copied to this rank's output
+       region; side stream: after the attention, pushes of every peer's rows of this group's output
+       into that peer's output region at this rank's heads;
+    3. a closing barrier (all output rows have arrived), which the compute stream waits for.
     """
     P, r = group.world_size, group.rank
     B, H, S_r, D = query.shape
@@ -197,97 +201,80 @@ def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value:
     dtype, device = query.dtype, query.device
     unit = B * D
 
-    # Element offsets in the symmetric buffer. Peers read a rank's send blocks and output blocks, so
-    # those offsets are functions of (owner, ...) that every rank computes alike.
-    def send_offset(owner: int, i: int, p: int, g: int) -> int:
-        rows = sizes[owner]
-        return rows * unit * (i * H + head_starts[p] + sum(groups[p][:g]))
+    # Element offsets in a rank's buffer; peers write into it, so they are functions of the owner
+    # that every rank computes alike.
+    def recv_offset(owner: int, i: int, g: int) -> int:
+        return S * unit * (i * heads[owner] + sum(groups[owner][:g]))
 
-    out_base = 3 * max(sizes) * unit * H
-
-    def out_offset(owner: int, g: int) -> int:
-        return out_base + S * unit * sum(groups[owner][:g])
-
-    recv_base = out_base + S * unit * max(heads)  # local: gathered Q/K/V [(Q, K, V), g: [S, B, h_g, D]]
-    recv_rows = 3 * S * unit * heads[r]
-    back_base = recv_base + recv_rows  # local: received output rows [p, g: [S_r, B, h_pg, D]]
-    total = back_base + S_r * unit * H
-    # Every rank's buffer must be as large as every other's (same byte count on all ranks).
-    nbytes = (recv_base + 3 * S * unit * max(heads) + max(sizes) * unit * H) * query.element_size()
+    out_size = max(sizes) * unit * H
+    out_base = 3 * S * unit * max(heads)
+    nbytes = (out_base + 2 * out_size) * query.element_size()  # the same on every rank
     ws = workspace(group, nbytes, device)
-    flat = ws.buffer[:total * query.element_size()].view(dtype)
+    flat = ws.buffer[:nbytes].view(dtype)
+    parity = ws.calls % 2
+    ws.calls += 1
 
-    def view(offset: int, rows: int, h: int) -> torch.Tensor:
-        return flat[offset:offset + rows * unit * h].view(rows, B, h, D)
+    def recv(i: int, g: int) -> torch.Tensor:  # this rank's gathered rows of its group g
+        start = recv_offset(r, i, g)
+        return flat[start:start + S * unit * groups[r][g]].view(S, B, groups[r][g], D)
 
-    def recv(i: int, g: int) -> torch.Tensor:
-        return view(recv_base + i * S * unit * heads[r] + S * unit * sum(groups[r][:g]), S, groups[r][g])
+    def peer_recv(p: int, i: int, g: int) -> torch.Tensor:
+        return ws.handle.get_buffer(p, (S, B, groups[p][g], D), dtype, recv_offset(p, i, g))
 
-    def back(p: int, g: int) -> torch.Tensor:
-        return view(back_base + S_r * unit * (head_starts[p] + sum(groups[p][:g])), S_r, groups[p][g])
+    def peer_out(p: int) -> torch.Tensor:  # [B, S_p, H, D]
+        return ws.handle.get_buffer(p, (B, sizes[p], H, D), dtype, out_base + parity * out_size)
 
-    compute = torch.cuda.current_stream(device)
-    compute.wait_event(ws.free)
+    def push(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not copy_rows(dst, src):
+            dst.copy_(src)  # a layout copy_rows cannot split: an SM kernel writing over NVLink
+
+    compute, side = torch.cuda.current_stream(device), ws.stream
+    inputs = [t.permute(2, 0, 1, 3) for t in (query, key, value)]  # [S_r, B, H, D] views
     lo, hi = offsets[r], offsets[r] + S_r
-    for i, t in enumerate((query, key, value)):
-        rows = t.permute(2, 0, 1, 3)  # [S_r, B, H, D]
-        for p in range(P):
-            h0 = head_starts[p]
-            for g, n in enumerate(groups[p]):
-                dst = recv(i, g)[lo:hi] if p == r else view(send_offset(r, i, p, g), S_r, n)
-                dst.copy_(rows[:, :, h0:h0 + n])
-                h0 += n
-
-    side = ws.stream
-    side.wait_stream(compute)
-    timeout = barrier_timeout_ms()
     peers = [(r + step) % P for step in range(1, P)]
+    timeout = barrier_timeout_ms()
+    side.wait_stream(compute)
+    for t in (query, key, value):
+        t.record_stream(side)
     with torch.cuda.stream(side):
         ws.handle.barrier(channel=0, timeout_ms=timeout)
         for g in range(G):
-            n = groups[r][g]
             for p in peers:
-                if sizes[p] == 0:
-                    continue
-                for i in range(3):
-                    remote = ws.handle.get_buffer(p, (sizes[p], B, n, D), dtype, send_offset(p, i, r, g))
-                    recv(i, g)[offsets[p]:offsets[p] + sizes[p]].copy_(remote)  # a copy engine
+                h0 = head_starts[p] + sum(groups[p][:g])
+                for i, rows in enumerate(inputs):
+                    push(peer_recv(p, i, g)[lo:hi], rows[:, :, h0:h0 + groups[p][g]])
+            ws.handle.barrier(channel=0, timeout_ms=timeout)
             ws.event(g).record(side)
+    h0 = head_starts[r]
+    for g in range(G):  # own rows of own heads: compute stream, while the pushes run
+        for i, rows in enumerate(inputs):
+            recv(i, g)[lo:hi].copy_(rows[:, :, h0:h0 + groups[r][g]])
+        h0 += groups[r][g]
 
+    out = flat[out_base + parity * out_size:][:B * S_r * H * D].view(B, S_r, H, D)
     per_head_mask = key_mask is not None and key_mask.shape[1] > 1
-    own = []
     h0 = head_starts[r]
     for g in range(G):
         n = groups[r][g]
         compute.wait_event(ws.event(g))
         q, k, v = (recv(i, g).permute(1, 2, 0, 3) for i in range(3))  # [B, n, S, D]
         mask = key_mask[:, h0:h0 + n] if per_head_mask else key_mask
-        o = local_attention(q, k, v, attn_mask=mask, scale=scale, kernel=kernel)
-        view(out_offset(r, g), S, n).copy_(o.permute(2, 0, 1, 3))
-        own.append(o)
+        o = local_attention(q, k, v, attn_mask=mask, scale=scale, kernel=kernel)  # [B, n, S, D]
+        rows = o.permute(0, 2, 1, 3)  # [B, S, n, D]
+        out[:, :, h0:h0 + n].copy_(rows[:, lo:hi])
         done = ws.event(G + g)
         done.record(compute)
+        o.record_stream(side)
         with torch.cuda.stream(side):
             side.wait_event(done)
-            ws.handle.barrier(channel=0, timeout_ms=timeout)
             for p in peers:
-                if S_r == 0:
-                    continue
-                remote = ws.handle.get_buffer(p, (S, B, groups[p][g], D), dtype, out_offset(p, g))
-                back(p, g).copy_(remote[lo:hi])  # a copy engine
+                if sizes[p]:
+                    push(peer_out(p)[:, :, h0:h0 + n], rows[:, offsets[p]:offsets[p] + sizes[p]])
         h0 += n
     with torch.cuda.stream(side):
-        ws.event(2 * G).record(side)
         ws.handle.barrier(channel=0, timeout_ms=timeout)
         ws.free.record(side)
-    compute.wait_event(ws.event(2 * G))
-    out = query.new_empty(B, S_r, H, D)
-    for p in range(P):
-        h0 = head_starts[p]
-        for g, n in enumerate(groups[p]):
-            src = own[g][:, :, lo:hi].permute(0, 2, 1, 3) if p == r else back(p, g).permute(1, 0, 2, 3)
-            out[:, :, h0:h0 + n].copy_(src)
-            h0 += n
+    compute.wait_event(ws.free)
     return out.permute(0, 2, 1, 3)
 
 
