@@ -20,8 +20,9 @@ step() {  # step NAME SECONDS CMD...
   grep -v "Warning\|warn(\|_warn_once\|^W1" "$OUT/$name.log" | tail -n 25
 }
 # Rows of both transports side by side (sp_transport="auto" is the copy engines for both dense
-# modes on 2 GPUs of one host).
-TRANSPORT_ROWS='{"ulysses nccl": ["ulysses", {"sp_transport": "nccl"}], "kv_gather nccl": ["kv_gather", {"sp_transport": "nccl"}]}'
+# modes on 2 GPUs of one host); TRANSPORT_ROWS in the environment replaces them (bench_transformer's
+# --variants JSON).
+TRANSPORT_ROWS=${TRANSPORT_ROWS:-'{"ulysses nccl": ["ulysses", {"sp_transport": "nccl"}], "kv_gather nccl": ["kv_gather", {"sp_transport": "nccl"}]}'}
 if [ "$PART" = bench ] || [ "$PART" = bench2 ] || [ "$PART" = all ]; then
   step bench2_13b 220 torchrun --nproc-per-node 2 benchmarks/bench_transformer.py --cases 1.3b --no-compile \
     --no-stock-variants --variants "$TRANSPORT_ROWS" --json "$OUT/bench2_13b.json"

@@ -167,7 +167,10 @@ def _pitched_rows(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, 
 def _split_pitched(dst: torch.Tensor, src: torch.Tensor, budget: int) -> list | None:
     """Pieces ``(dst, src, plan)`` covering the copy, each one pitched 2-D copy: the whole copy if
     possible, else split along the smallest dim outside the contiguous rows (a batch or head dim),
-    recursively; ``None`` if more than ``budget`` pieces would be needed."""
+    recursively; ``None`` if more than ``budget`` pieces would be needed. Dims are first ordered by
+    ``dst``'s strides (outermost first), which leaves the copy unchanged."""
+    order = sorted(range(dst.dim()), key=lambda d: -dst.stride(d))
+    dst, src = dst.permute(order), src.permute(order)
     plan = _pitched_rows(dst, src)
     if plan is not None:
         return [(dst, src, plan)]
@@ -246,13 +249,21 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> boo
     return True
 
 
+def copy_or_fallback(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """:func:`copy_rows`, or ``Tensor.copy_`` (an SM kernel, which also reaches peers' symmetric
+    memory over NVLink) where the layouts are not pitched rows."""
+    if not copy_rows(dst, src):
+        dst.copy_(src)
+
+
 @dataclass
 class _Workspace:
-    """A symmetric buffer of one group on one device, with its handle, side stream and events."""
+    """A symmetric buffer of one group on one device, with its handle, streams and events."""
 
     buffer: torch.Tensor  # uint8, symmetric
     handle: object  # torch's _SymmetricMemory
-    stream: torch.cuda.Stream
+    stream: torch.cuda.Stream  # barriers and the copies to peers
+    local: torch.cuda.Stream  # copy-engine copies within this GPU, beside the copies to peers
     free: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # the last closing barrier
     events: list = field(default_factory=list)
     calls: int = 0  # calls served since allocation (the same count on every rank)
@@ -289,15 +300,16 @@ def workspace(group: SPGroup, nbytes: int, device: torch.device) -> _Workspace:
     if ws is None:
         # High priority: the barrier kernels on it get an SM as soon as one frees up.
         stream = torch.cuda.Stream(device=device, priority=-1)
+        local = torch.cuda.Stream(device=device, priority=-1)
     else:
-        stream = ws.stream
+        stream, local = ws.stream, ws.local
         _retire(_WORKSPACES.pop(key))
         ws = None  # the old buffer goes before the new one is allocated
     # Our copies never use NVLink multicast; do not let the rendezvous create multicast objects.
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group.group)
-    ws = _Workspace(buffer=buffer, handle=handle, stream=stream)
+    ws = _Workspace(buffer=buffer, handle=handle, stream=stream, local=local)
     _WORKSPACES[key] = ws
     return ws
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import all_gather_dim0
-from ..copy_engine import barrier_timeout_ms, copy_rows, head_group_sizes, workspace
+from ..copy_engine import barrier_timeout_ms, copy_or_fallback, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
 from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
 
@@ -86,10 +86,11 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
        its buffer): barrier (every rank may now be written to); per head group, 2-D copy-engine
        copies (:func:`~diffusers_sp.copy_engine.copy_rows`) of this rank's K and V rows of that
        group, straight from the model's token-major tensors into every peer's buffer, then a barrier
-       (every peer's rows of this group have arrived) and an event; meanwhile the compute stream
-       copies this rank's own rows into its own buffer;
-    2. compute stream: attention of group g after its event, over ``[B, h_g, S, D]`` views of the
-       buffer; the group outputs are written into one ``[B, T + S_r, H, D]`` buffer.
+       (every peer's rows of this group have arrived) and an event; meanwhile a second stream copies
+       this rank's own rows into its own buffer on a copy engine, group by group;
+    2. compute stream: attention of group g after both its events, over ``[B, h_g, S, D]`` views of
+       the buffer; the second stream copies each group's output into one ``[B, T + S_r, H, D]``
+       buffer (under the next group's attention), which the compute stream waits for at the end.
     """
     P, r = group.world_size, group.rank
     B, H, L, D = query.shape
@@ -108,49 +109,51 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
     def region(i: int, g: int) -> torch.Tensor:
         return flat[base[i][g]:base[i][g] + S * B * heads[g] * D].view(S, B, heads[g], D)
 
-    compute, side = torch.cuda.current_stream(device), ws.stream
+    compute, side, local = torch.cuda.current_stream(device), ws.stream, ws.local
     inputs = [t.permute(2, 0, 1, 3) for t in (img_k, img_v)]  # [S_r, B, H, D] views
     lo, hi = offsets[r], offsets[r] + sizes[r]
     timeout = barrier_timeout_ms()
-    side.wait_stream(compute)
-    for t in inputs:
-        t.record_stream(side)
+    starts = [sum(heads[:g]) for g in range(G)]
+    for stream in (side, local):
+        stream.wait_stream(compute)
+        for t in inputs:
+            t.record_stream(stream)
     with torch.cuda.stream(side):
         ws.handle.barrier(channel=0, timeout_ms=timeout)
         for g in range(G):
-            h0 = sum(heads[:g])
             for step in range(1, P):
                 p = (r + step) % P
                 for i, rows in enumerate(inputs):
                     remote = ws.handle.get_buffer(p, (S, B, heads[g], D), dtype, base[i][g])[lo:hi]
-                    if not copy_rows(remote, rows[:, :, h0:h0 + heads[g]]):
-                        remote.copy_(rows[:, :, h0:h0 + heads[g]])  # an SM kernel writing over NVLink
+                    copy_or_fallback(remote, rows[:, :, starts[g]:starts[g] + heads[g]])
             ws.handle.barrier(channel=0, timeout_ms=timeout)
             ws.event(g).record(side)
         ws.free.record(side)
-    for i, rows in enumerate(inputs):  # own rows: compute stream, while the pushes run
-        if all(n == heads[0] for n in heads):  # one copy: [G, S_r, B, h, D] into the G regions
-            flat[i * per_tensor:(i + 1) * per_tensor].view(G, S, B, heads[0], D)[:, lo:hi].copy_(
-                rows.unflatten(2, (G, heads[0])).permute(2, 0, 1, 3, 4))
-        else:
-            for g in range(G):
-                h0 = sum(heads[:g])
-                region(i, g)[lo:hi].copy_(rows[:, :, h0:h0 + heads[g]])
+    with torch.cuda.stream(local):  # own rows, on a copy engine beside the pushes
+        for g in range(G):
+            for i, rows in enumerate(inputs):
+                copy_or_fallback(region(i, g)[lo:hi], rows[:, :, starts[g]:starts[g] + heads[g]])
+            ws.event(G + g).record(local)
 
     per_head_mask = key_mask is not None and key_mask.shape[1] > 1
     out = query.new_empty(B, L, H, D).permute(0, 2, 1, 3) if G > 1 else None
-    h0 = 0
     for g in range(G):
-        hs = slice(h0, h0 + heads[g])
-        h0 += heads[g]
+        hs = slice(starts[g], starts[g] + heads[g])
         compute.wait_event(ws.event(g))
+        compute.wait_event(ws.event(G + g))
         k = join_text_image(txt_k[:, hs], region(0, g).permute(1, 2, 0, 3), text_layout)
         v = join_text_image(txt_v[:, hs], region(1, g).permute(1, 2, 0, 3), text_layout)
         o = local_attention(query[:, hs], k, v, attn_mask=key_mask[:, hs] if per_head_mask else key_mask,
                             scale=scale, kernel=kernel)
         if out is None:
             return o
-        out[:, hs].copy_(o)
+        done = ws.event(2 * G + g)
+        done.record(compute)
+        o.record_stream(local)
+        with torch.cuda.stream(local):  # into the joined output on a copy engine, under the next group
+            local.wait_event(done)
+            copy_or_fallback(out[:, hs], o)
+    compute.wait_stream(local)
     return out
 
 

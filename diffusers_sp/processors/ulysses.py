@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import all_to_all_flat
-from ..copy_engine import barrier_timeout_ms, copy_rows, head_group_sizes, workspace
+from ..copy_engine import barrier_timeout_ms, copy_or_fallback, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
 from ..sharding import balanced_sizes
 from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
@@ -184,11 +184,13 @@ def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value:
        group, 2-D copy-engine copies (:func:`~diffusers_sp.copy_engine.copy_rows`) of this rank's
        Q/K/V rows of each peer's heads of that group, straight from the model's token-major tensors
        into the peer's buffer, then a barrier (every peer's rows of this group have arrived) and an
-       event; meanwhile the compute stream copies this rank's own rows of its own heads;
-    2. compute stream: per group, attention after its event, its own rows copied to this rank's output
-       region; side stream: after the attention, pushes of every peer's rows of this group's output
-       into that peer's output region at this rank's heads;
-    3. a closing barrier (all output rows have arrived), which the compute stream waits for.
+       event; meanwhile a second stream copies this rank's own rows of its own heads on a copy
+       engine, group by group;
+    2. compute stream: per group, attention after both its events; after it, the second stream
+       copies this rank's own output rows into its output region, and the side stream pushes every
+       peer's rows of this group's output into that peer's output region at this rank's heads;
+    3. a closing barrier (all output rows have arrived), which the compute stream waits for, as for
+       the second stream.
     """
     P, r = group.world_size, group.rank
     B, H, S_r, D = query.shape
@@ -224,32 +226,31 @@ def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value:
     def peer_out(p: int) -> torch.Tensor:  # [B, S_p, H, D]
         return ws.handle.get_buffer(p, (B, sizes[p], H, D), dtype, out_base + parity * out_size)
 
-    def push(dst: torch.Tensor, src: torch.Tensor) -> None:
-        if not copy_rows(dst, src):
-            dst.copy_(src)  # a layout copy_rows cannot split: an SM kernel writing over NVLink
-
-    compute, side = torch.cuda.current_stream(device), ws.stream
+    compute, side, local = torch.cuda.current_stream(device), ws.stream, ws.local
     inputs = [t.permute(2, 0, 1, 3) for t in (query, key, value)]  # [S_r, B, H, D] views
     lo, hi = offsets[r], offsets[r] + S_r
     peers = [(r + step) % P for step in range(1, P)]
     timeout = barrier_timeout_ms()
-    side.wait_stream(compute)
-    for t in (query, key, value):
-        t.record_stream(side)
+    for stream in (side, local):
+        stream.wait_stream(compute)
+        for t in (query, key, value):
+            t.record_stream(stream)
     with torch.cuda.stream(side):
         ws.handle.barrier(channel=0, timeout_ms=timeout)
         for g in range(G):
             for p in peers:
                 h0 = head_starts[p] + sum(groups[p][:g])
                 for i, rows in enumerate(inputs):
-                    push(peer_recv(p, i, g)[lo:hi], rows[:, :, h0:h0 + groups[p][g]])
+                    copy_or_fallback(peer_recv(p, i, g)[lo:hi], rows[:, :, h0:h0 + groups[p][g]])
             ws.handle.barrier(channel=0, timeout_ms=timeout)
             ws.event(g).record(side)
-    h0 = head_starts[r]
-    for g in range(G):  # own rows of own heads: compute stream, while the pushes run
-        for i, rows in enumerate(inputs):
-            recv(i, g)[lo:hi].copy_(rows[:, :, h0:h0 + groups[r][g]])
-        h0 += groups[r][g]
+    with torch.cuda.stream(local):  # own rows of own heads, on a copy engine beside the pushes
+        h0 = head_starts[r]
+        for g in range(G):
+            for i, rows in enumerate(inputs):
+                copy_or_fallback(recv(i, g)[lo:hi], rows[:, :, h0:h0 + groups[r][g]])
+            ws.event(G + g).record(local)
+            h0 += groups[r][g]
 
     out = flat[out_base + parity * out_size:][:B * S_r * H * D].view(B, S_r, H, D)
     per_head_mask = key_mask is not None and key_mask.shape[1] > 1
@@ -257,24 +258,29 @@ def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value:
     for g in range(G):
         n = groups[r][g]
         compute.wait_event(ws.event(g))
+        compute.wait_event(ws.event(G + g))
         q, k, v = (recv(i, g).permute(1, 2, 0, 3) for i in range(3))  # [B, n, S, D]
         mask = key_mask[:, h0:h0 + n] if per_head_mask else key_mask
         o = local_attention(q, k, v, attn_mask=mask, scale=scale, kernel=kernel)  # [B, n, S, D]
         rows = o.permute(0, 2, 1, 3)  # [B, S, n, D]
-        out[:, :, h0:h0 + n].copy_(rows[:, lo:hi])
-        done = ws.event(G + g)
+        done = ws.event(2 * G + g)
         done.record(compute)
-        o.record_stream(side)
+        for stream in (side, local):
+            o.record_stream(stream)
+        with torch.cuda.stream(local):
+            local.wait_event(done)
+            copy_or_fallback(out[:, :, h0:h0 + n], rows[:, lo:hi])
         with torch.cuda.stream(side):
             side.wait_event(done)
             for p in peers:
                 if sizes[p]:
-                    push(peer_out(p)[:, :, h0:h0 + n], rows[:, offsets[p]:offsets[p] + sizes[p]])
+                    copy_or_fallback(peer_out(p)[:, :, h0:h0 + n], rows[:, offsets[p]:offsets[p] + sizes[p]])
         h0 += n
     with torch.cuda.stream(side):
         ws.handle.barrier(channel=0, timeout_ms=timeout)
         ws.free.record(side)
     compute.wait_event(ws.free)
+    compute.wait_stream(local)
     return out.permute(0, 2, 1, 3)
 
 
