@@ -3,7 +3,8 @@
 ([S_r, B, H, D] = [16380, 1, 12, 128], bf16) written into the head-group-major layout
 [G, S, B, H/G, D] (G = 4), against a plain contiguous copy of the same bytes.
 
-Variants: one permuted 5-D copy (what ``kv_gather_attention_copy_engine`` does), one copy per head
+Variants: one permuted 5-D copy (what ``kv_gather_attention_copy_engine`` did until the transport pushed
+with 2-D copy-engine copies, b2c4ccf), one copy per head
 group, a 3-D view of the same permutation, ``index_select`` into a contiguous buffer (speed only: the
 real destination is not contiguous), and the plain copy (the bound). Times from Triton's
 ``do_bench``; TB/s counts bytes read and written. Needs a CUDA GPU and Triton.

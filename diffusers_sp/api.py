@@ -219,9 +219,9 @@ def _resolve_transport(requested: str, mode: str, group: SPGroup, name: str) -> 
     """``sp_transport`` resolved for ``mode``: ``"nccl"`` or ``"copy_engine"``.
 
     ``"auto"`` picks the copy engines for both dense modes at world size 2 where they can run (the
-    same bits; on 2 H200s, Wan 1.3B shape, Ulysses 332-330 ms against NCCL's 345-338 ms and K/V-gather
-    333 against 338, benchmarks/RESULTS.md) and NCCL otherwise: above 2 ranks they have not run on
-    GPUs (CPU CI cannot run them).
+    same bits; on 2 H200s per step, Wan 1.3B shape: Ulysses 8-13 ms and K/V-gather 1-8 ms faster than
+    NCCL; 14B: both 2-5 ms faster; benchmarks/RESULTS.md) and NCCL otherwise: above 2 ranks they have
+    not run on GPUs (CPU CI cannot run them).
     ``"copy_engine"`` asks for them in either dense mode at any world size. VSA always uses NCCL.
 
     Raises:

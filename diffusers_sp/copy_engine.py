@@ -6,20 +6,23 @@ each group's NCCL all-gather with the previous group's attention made the 14B st
 690 ms; benchmarks/RESULTS.md). The GPU's copy engines (DMA) move data over NVLink without SMs.
 This module gives the strategies access to them through PyTorch's symmetric memory
 (``torch.distributed._symmetric_memory``: a buffer every rank of the group can address, whose
-peers' parts are tensors on the local device; ``Tensor.copy_`` between contiguous same-dtype CUDA
-tensors is a ``cudaMemcpyAsync``, which the driver runs on a copy engine). The pull-based scheme and
-the idea of low-contention, copy-engine collectives come from PyTorch's async tensor parallelism
-(``_low_contention_all_gather`` and ``_pipelined_all_gather_and_consume`` in
+peers' parts are tensors on the local device) and the CUDA driver's pitched 2-D copy
+(:func:`copy_rows`: ``cuMemcpy2DAsync``, which runs on a copy engine and reads or writes rows at any
+pitch, so a head slice of a token-major tensor moves without being packed first). The idea of
+low-contention, copy-engine collectives over symmetric memory comes from PyTorch's async tensor
+parallelism (``_low_contention_all_gather`` and ``_pipelined_all_gather_and_consume`` in
 ``torch/distributed/_symmetric_memory``).
 
 The pattern, used by :func:`diffusers_sp.processors.kv_gather.kv_gather_attention_copy_engine` and
-:func:`diffusers_sp.processors.ulysses.ulysses_attention_copy_engine`: each rank writes what its peers
-need into its own symmetric buffer (compute stream); on a side stream a symmetric-memory barrier
-(everyone has written) is followed by copy-engine pulls from the peers' buffers, head group by head
-group, each group ending in an event; the attention of group g waits only for group g's event, so
-the transfer of group g + 1 runs under it; a closing barrier (everyone has finished reading) lets
-the next call write again. The transfers move the same bits as NCCL would: results are
-bit-identical to the NCCL path.
+:func:`diffusers_sp.processors.ulysses.ulysses_attention_copy_engine`, is push-based: on a side
+stream that has waited for the compute stream's work so far (so this rank's earlier reads of its
+buffer are done), a symmetric-memory barrier (every rank may now be written to) is followed, head
+group by head group, by 2-D copies of this rank's rows straight from the model's tensors into each
+peer's buffer, a barrier (every peer's rows of the group have arrived) and an event; a second
+stream copies the rank's own rows on a copy engine too. The attention of group g waits only for
+group g's events, so the transfer of group g + 1 runs under it. The transfers move the same bits as
+NCCL would: results are bit-identical to the NCCL path. (Until b2c4ccf each rank packed its rows
+into its own buffer with SM copies and its peers pulled them; the packing cost ~4 ms per 1.3B step.)
 
 Bit-identity also relies on the local attention kernel computing each head independently of the
 other heads in the call (true of SDPA's backends and flash-attn), since the copy-engine paths
@@ -29,8 +32,8 @@ Requirements (checked by :func:`copy_engine_unavailable_reason`): CUDA tensors, 
 single-host launch with peer access between the GPUs (symmetric memory maps peer memory over
 NVLink/PCIe), and torch 2.6 or newer. The buffer (:func:`workspace`) is sized for the largest call seen and kept between
 calls until ``disable()`` (:func:`release_workspaces`): 2 x S x B x H x D elements for K/V-gather
-(the gathered K and V, which the NCCL path allocates per call instead), about 8 x S x B x H x D / P
-for Ulysses over P ranks. :func:`symmetric_memory_bytes` reports it; on the GPU machines (torch 2.11)
+(the gathered K and V, which the NCCL path allocates per call instead), about 5 x S x B x H x D / P
+for Ulysses over P ranks (the gathered Q, K, V of the rank's heads and two output regions). :func:`symmetric_memory_bytes` reports it; on the GPU machines (torch 2.11)
 ``torch.cuda.max_memory_allocated`` did not include it. Whether ``release_workspaces`` returns the
 memory to the device or to a pool of torch's symmetric-memory allocator (``TORCH_SYMMMEM_IMPLICIT_POOL``
 in newer torch) is torch's choice and has not been measured. Before the first allocation the module

@@ -1,0 +1,74 @@
+"""The copy-engine transport's copy planner on CPU: the pitched 2-D copies that ``copy_rows`` would issue
+(``cuMemcpy2DAsync`` needs a GPU) are executed here with ``torch.as_strided`` on the same storages, so a
+wrong plan copies wrong elements and fails. The copy-engine attention paths themselves need two GPUs
+(tests/test_gpu_nccl.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusers_sp.copy_engine import _split_pitched, copy_rows
+
+
+def run_plan(dst: torch.Tensor, src: torch.Tensor, budget: int = 64) -> int | None:
+    """Executes ``_split_pitched``'s plan as 2-D strided copies; returns the number of pieces."""
+    pieces = _split_pitched(dst, src, budget)
+    if pieces is None:
+        return None
+    for d, s, (rows, width, dst_pitch, src_pitch) in pieces:
+        torch.as_strided(d, (rows, width), (dst_pitch, 1)).copy_(torch.as_strided(s, (rows, width), (src_pitch, 1)))
+    return len(pieces)
+
+
+def numbered(*shape: int) -> torch.Tensor:
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+
+
+S, H, D = 37, 12, 8
+
+
+@pytest.mark.parametrize("name,make,pieces", [
+    # Ulysses/K/V-gather pushes: a head slice of a token-major [B, S, H, D] tensor into [S, B, h, D] rows.
+    ("token-major head slice, B=1",
+     lambda: (torch.empty(S, 1, 3, D), numbered(1, S, H, D).permute(1, 0, 2, 3)[:, :, 3:6]), 1),
+    ("token-major head slice, B=2",
+     lambda: (torch.empty(S, 2, 3, D), numbered(2, S, H, D).permute(1, 0, 2, 3)[:, :, 6:9]), 2),
+    ("head-major input, B=2",
+     lambda: (torch.empty(S, 2, 3, D), numbered(2, H, S, D).permute(2, 0, 1, 3)[:, :, 3:6]), 6),
+    ("rows of a peer's output region", lambda: (torch.empty(2, 20, H, D)[:, :, 4:7], numbered(2, S, 3, D)[:, 5:25]), 2),
+    # K/V-gather: a head group's output [B, n, L, D] into the joined [B, L, H, D] buffer, passed as [B, H, L, D] views.
+    ("group output into the joined output",
+     lambda: (torch.empty(1, S, H, D).permute(0, 2, 1, 3)[:, 3:6], numbered(1, S, 3, D).permute(0, 2, 1, 3)), 1),
+    ("contiguous", lambda: (torch.empty(4, 5, D), numbered(4, 5, D)), 1),
+    ("size-1 dims and a single row", lambda: (torch.empty(1, 1, 1, D), numbered(1, 3, 1, D)[:, 1:2]), 1),
+])
+def test_plan_copies_exactly(name, make, pieces):
+    dst, src = make()
+    dst.fill_(float("nan"))
+    assert run_plan(dst, src) == pieces, name
+    assert torch.equal(dst, src), name
+
+
+def test_plan_refuses_beyond_budget():
+    dst = torch.empty(S, 2, 3, D)
+    src = numbered(2, H, S, D).permute(2, 0, 1, 3)[:, :, :3]  # needs 2 x 3 pieces
+    assert _split_pitched(dst, src, 5) is None
+    assert run_plan(dst, src, 6) == 6 and torch.equal(dst, src)
+
+
+def test_plan_pitch_across_dims():
+    # Every other row of [6, 8, D]: one uniform pitch (2 D) across both outer dims, one copy.
+    dst, src = torch.full((6, 4, D), float("nan")), numbered(6, 8, D)[:, ::2]
+    assert run_plan(dst, src) == 1 and torch.equal(dst, src)
+    # Every other row of [6, 9, D]: the pitch breaks between outer rows, so the plan splits along
+    # the smaller dim (5 copies of 6 rows at pitches 5 D and 9 D).
+    dst, src = torch.full((6, 5, D), float("nan")), numbered(6, 9, D)[:, ::2]
+    assert run_plan(dst, src) == 5 and torch.equal(dst, src)
+
+
+def test_copy_rows_checks_shapes_and_dtypes():
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        copy_rows(torch.empty(2, 3), torch.empty(3, 2))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        copy_rows(torch.empty(2, 3), torch.empty(2, 3, dtype=torch.float64))
