@@ -55,8 +55,9 @@ class SequenceParallelHandle:
         world_size: Ranks in the group (1: nothing is split).
         traits: The pipeline's traits as read at enable time.
         group: The :class:`~diffusers_sp.groups.SPGroup`.
-        transport: ``sp_transport`` resolved: ``"nccl"`` or ``"copy_engine"`` (``"nccl"`` for VSA;
-            under ``"copy_engine"``, Ulysses calls with joint text still use NCCL).
+        transport: ``sp_transport`` resolved: ``"nccl"`` or ``"copy_engine"`` (``"nccl"`` for VSA and
+            for Ulysses on models with joint text). Inside a ``torch.compile``d region the processors
+            take the NCCL path whatever this says (side streams and events do not trace).
     """
 
     mode: str
@@ -215,29 +216,41 @@ def _gate_paths(spec, traits: PipelineTraits) -> list:
     return [spec]
 
 
-def _resolve_transport(requested: str, mode: str, group: SPGroup, name: str) -> str:
+def _resolve_transport(requested: str, mode: str, group: SPGroup, traits: PipelineTraits) -> str:
     """``sp_transport`` resolved for ``mode``: ``"nccl"`` or ``"copy_engine"``.
 
-    ``"auto"`` picks the copy engines for both dense modes at world size 2 where they can run (the
-    same bits; on 2 H200s per step, Wan 1.3B shape: Ulysses 8-13 ms and K/V-gather 1-8 ms faster than
-    NCCL; 14B: both 2-5 ms faster; benchmarks/RESULTS.md) and NCCL otherwise: above 2 ranks they have
-    not run on GPUs (CPU CI cannot run them).
-    ``"copy_engine"`` asks for them in either dense mode at any world size. VSA always uses NCCL.
+    ``"auto"`` picks the copy engines for both dense modes when the whole launch is one group of 2
+    ranks and they can run there (the same bits; on 2 H200s per step, Wan 1.3B shape: Ulysses 8-13 ms
+    and K/V-gather 1-8 ms faster than NCCL; 14B: both 2-5 ms faster; benchmarks/RESULTS.md), and
+    NCCL otherwise: larger groups, and 2-rank groups inside a larger launch (CFG parallelism,
+    replicas), have not run on GPUs (CPU CI cannot run them). Ulysses with joint text (Flux, SD3,
+    CogVideoX, HunyuanVideo, Mochi, QwenImage) always runs on NCCL: its text rows travel in the same
+    all-to-all. ``"copy_engine"`` asks for them in either dense mode at any world size. VSA always
+    uses NCCL.
 
     Raises:
-        SequenceParallelConfigError: ``"copy_engine"`` was asked for where it cannot run (the same
-            on every rank: the checks read only the group and the launcher's environment).
+        SequenceParallelConfigError: ``"copy_engine"`` was asked for where it cannot run, or for
+            Ulysses on a model with joint text (the same on every rank: the checks read only the
+            traits, the group and the launcher's environment).
     """
     if mode not in ("ulysses", "kv_gather") or requested == "nccl" or group.world_size == 1:
         return "nccl"  # at world size 1 nothing is transferred
-    if requested == "auto" and group.world_size != 2:
+    joint = [m.name for m in traits.models if m.joint_text]
+    if mode == "ulysses" and joint:
+        if requested == "copy_engine":
+            raise SequenceParallelConfigError(
+                f"{traits.name}: sp_transport='copy_engine' does not apply to Ulysses on {joint[0]}, whose "
+                "self-attention has joint text tokens (Ulysses then runs on NCCL). Use mode='kv_gather' with "
+                "sp_transport='copy_engine', or sp_transport='auto' or 'nccl'.")
+        return "nccl"
+    if requested == "auto" and (group.world_size != 2 or dist.get_world_size() != 2):
         return "nccl"
     reason = copy_engine_unavailable_reason(group)
     if reason is None:
         return "copy_engine"
     if requested == "copy_engine":
         raise SequenceParallelConfigError(
-            f"{name}: sp_transport='copy_engine' cannot run here: {reason}. Use sp_transport='nccl' or 'auto'.")
+            f"{traits.name}: sp_transport='copy_engine' cannot run here: {reason}. Use sp_transport='nccl' or 'auto'.")
     return "nccl"
 
 
@@ -268,11 +281,11 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         parallel_vae: Share the VAE's decode tiles over the ranks of a replica
             (:mod:`diffusers_sp.vae`; enables the VAE's tiling).
         **options: ``attention_kernel`` = ``"auto"`` | ``"sdpa"`` | ``"flash_attn"`` (local dense
-            kernel). ``sp_transport``: ``"auto"`` (default: on 2 ranks the copy engines through
-            symmetric memory when both are CUDA devices of one host, else NCCL), ``"nccl"`` or
-            ``"copy_engine"`` (either dense mode; an error where it cannot
-            run); see :mod:`diffusers_sp.copy_engine`. Ulysses calls with joint text use NCCL
-            either way.
+            kernel). ``sp_transport``: ``"auto"`` (default: the copy engines through symmetric memory
+            when the launch is one group of 2 CUDA ranks on one host, else NCCL), ``"nccl"`` or
+            ``"copy_engine"`` (either dense mode at any world size; an error where it cannot run,
+            and for Ulysses on models with joint text, which always use NCCL); see
+            :mod:`diffusers_sp.copy_engine`.
             ``overlap_head_groups``: ``"auto"`` (2) or a positive int, the head groups whose
             copy-engine transfers overlap the attention. For ``mode="vsa"``: ``vsa_sparsity``
             (fraction of key tiles skipped, default 0.9),
@@ -351,7 +364,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
 
         pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree)
         group = pgroups.sp
-    transport = _resolve_transport(opts["sp_transport"], resolved, group, traits.name)
+    transport = _resolve_transport(opts["sp_transport"], resolved, group, traits)
     _check_same_on_all_ranks(group, (traits.fingerprint(), resolved, opts["attention_kernel"], transport, groups_opt,
                                      None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"],
                                                                opts["vsa_gate_weights"] is not None),

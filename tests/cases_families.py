@@ -316,10 +316,12 @@ def case_error_ulysses_fewer_heads_than_ranks():
 
 def case_error_copy_engine_on_gloo():
     """sp_transport='copy_engine' needs CUDA ranks of one host: on gloo it raises on every rank, before
-    any collective; 'auto' falls back to NCCL's (here gloo's) all-gather and runs exactly."""
+    any collective; 'auto' falls back to NCCL's (here gloo's) all-gather and runs exactly. Ulysses on a
+    joint-text model (CogVideoX) refuses 'copy_engine' whatever the backend (its text rows need NCCL)."""
     g = _gen()
     model = tm.tiny_cogvideox_transformer()
     msg = error_of(lambda: enable_sequence_parallel(model, mode="kv_gather", sp_transport="copy_engine"))
+    joint = error_of(lambda: enable_sequence_parallel(model, mode="ulysses", sp_transport="copy_engine"))
     kwargs = dict(hidden_states=torch.randn(2, 1, 4, 10, 14, generator=g),
                   encoder_hidden_states=torch.randn(2, 8, 32, generator=g), timestep=torch.tensor([500, 250]))
     with torch.no_grad():
@@ -330,7 +332,7 @@ def case_error_copy_engine_on_gloo():
             auto["transport"] = handle.transport
         finally:
             handle.disable()
-    return {"error": msg, "auto": auto}
+    return {"error": msg, "joint_text_error": joint, "auto": auto}
 
 
 def case_error_head_groups_disagree():
