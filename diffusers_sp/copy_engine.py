@@ -58,9 +58,11 @@ from .sharding import balanced_sizes
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 
 
-#: Head groups when ``overlap_head_groups="auto"``. Measured on 2 H200s (benchmarks/RESULTS.md): on
-#: the Wan 1.3B shape 2, 4 and 6 groups are within noise of each other; on the 14B shape 2 groups are
-#: fastest (K/V-gather 644 ms; 4 groups 650, 8 groups 654).
+#: Head groups when ``overlap_head_groups="auto"``. Measured on 2 H200s with the push transport
+#: (benchmarks/RESULTS.md, fourth session): on the Wan 1.3B shape 3, 4 and 6 groups were neither
+#: consistently faster nor slower than 2 (from 7.0 ms faster to 3.8 ms slower per step, while 2 groups
+#: alone moved 4.9 ms between runs); at 14B, Ulysses with 3 groups and K/V-gather with 6 were 1.2 and
+#: 3.2 ms slower than 2.
 AUTO_HEAD_GROUPS = 2
 
 
@@ -160,6 +162,8 @@ def _pitched_rows(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, 
     if not dims:
         return 1, width, width, width
     rows, dst_pitch, src_pitch = dims.pop()
+    if dst_pitch < width or src_pitch < width:  # overlapping rows (e.g. an expanded, stride-0 dim)
+        return None
     for n, a, b in reversed(dims):  # outer dims must continue the row sequence in both tensors
         if a != dst_pitch * rows or b != src_pitch * rows:
             return None
@@ -223,14 +227,18 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> boo
         with ``Tensor.copy_``.
 
     Raises:
-        ValueError: shapes or dtypes differ.
-        RuntimeError: the driver refused a copy (its error string is in the message).
+        ValueError: shapes or dtypes differ, or the tensors are not CUDA tensors of one device.
+        OSError: the CUDA driver library (``libcuda.so.1``) cannot be loaded.
+        RuntimeError: the driver refused a copy (its error string is in the message; pieces issued
+            before it stay issued).
 
     The caller keeps both tensors alive (``record_stream``) until the current stream has run the copy.
     """
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise ValueError(f"copy_rows needs one shape and dtype, got {tuple(dst.shape)} {dst.dtype} "
                          f"and {tuple(src.shape)} {src.dtype}")
+    if not (dst.is_cuda and src.is_cuda and dst.device == src.device):
+        raise ValueError(f"copy_rows needs CUDA tensors of one device, got {dst.device} and {src.device}")
     if dst.numel() == 0:
         return True
     pieces = _split_pitched(dst, src, max_copies)
@@ -253,8 +261,18 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> boo
 
 
 def copy_or_fallback(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """:func:`copy_rows`, or ``Tensor.copy_`` (an SM kernel, which also reaches peers' symmetric
-    memory over NVLink) where the layouts are not pitched rows."""
+    """Copies ``src`` into ``dst`` on the current stream: :func:`copy_rows` (copy engines), or
+    ``Tensor.copy_`` (an SM kernel, which also reaches peers' symmetric memory over NVLink) where the
+    layouts do not split into at most 64 pitched 2-D copies.
+
+    Args:
+        dst, src: CUDA tensors of one shape and dtype on the current device (views of peers'
+            symmetric memory count as local), any layout.
+
+    Raises:
+        ValueError: shapes, dtypes or devices differ (see :func:`copy_rows`).
+        RuntimeError: the driver refused a copy.
+    """
     if not copy_rows(dst, src):
         dst.copy_(src)
 
@@ -267,9 +285,9 @@ class _Workspace:
     handle: object  # torch's _SymmetricMemory
     stream: torch.cuda.Stream  # barriers and the copies to peers
     local: torch.cuda.Stream  # copy-engine copies within this GPU, beside the copies to peers
-    free: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # the last closing barrier
+    free: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # after the latest call's last barrier
     events: list = field(default_factory=list)
-    calls: int = 0  # calls served since allocation (the same count on every rank)
+    calls: int = 0  # Ulysses calls since allocation: picks the output region (equal on every rank)
 
     def event(self, i: int) -> torch.cuda.Event:
         while len(self.events) <= i:
@@ -281,18 +299,22 @@ _WORKSPACES: dict = {}  # (group name, device index) -> _Workspace
 
 
 def _retire(ws: _Workspace) -> None:
-    """Waits until no peer can still read ``ws``'s buffer (its last closing barrier has passed, on
-    the current stream, and the device is idle), so that the buffer may be dropped."""
+    """Waits until no peer can still write into ``ws``'s buffer (the latest call's last barrier has
+    passed, on the current stream, and the device is idle), so that the buffer may be dropped."""
     device = ws.buffer.device
     torch.cuda.current_stream(device).wait_event(ws.free)
     torch.cuda.synchronize(device)
 
 
 def workspace(group: SPGroup, nbytes: int, device: torch.device) -> _Workspace:
-    """The group's symmetric buffer of at least ``nbytes`` bytes (allocated or grown collectively).
+    """The group's workspace on ``device``: a symmetric uint8 buffer of at least ``nbytes`` bytes,
+    its symmetric-memory handle, the side and local streams and the events (allocated or grown
+    collectively).
 
-    Every rank makes the same calls with the same shapes, so growth happens on all ranks at the
-    same call; the rendezvous is a collective over ``group``.
+    The buffer is kept for later calls. A call needing more than it holds retires it (waits for its
+    latest barrier and synchronizes the device), then allocates and rendezvouses a new one, with
+    ``calls`` back at 0; the streams are kept. Every rank makes the same calls with the same shapes,
+    so growth happens on all ranks at the same call; the rendezvous is a collective over ``group``.
     """
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -331,8 +353,8 @@ def symmetric_memory_bytes() -> int:
 def release_workspaces(group: SPGroup | None = None) -> None:
     """Frees the symmetric buffers of ``group`` (``None``: of every group); the next call allocates again.
 
-    Waits on the current stream for each buffer's last closing barrier, after which no peer reads it,
-    then synchronizes the device. Called by ``SequenceParallelHandle.disable``; every rank of the
+    Waits on the current stream for each buffer's latest barrier, after which no peer writes into
+    it, then synchronizes the device. Called by ``SequenceParallelHandle.disable``; every rank of the
     group must call it at the same point (the next allocation is a collective).
     """
     for key in list(_WORKSPACES):

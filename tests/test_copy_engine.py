@@ -72,3 +72,12 @@ def test_copy_rows_checks_shapes_and_dtypes():
         copy_rows(torch.empty(2, 3), torch.empty(3, 2))
     with pytest.raises(ValueError, match="one shape and dtype"):
         copy_rows(torch.empty(2, 3), torch.empty(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="CUDA tensors of one device"):  # never handed to the driver
+        copy_rows(torch.empty(2, 3), torch.empty(2, 3))
+
+
+def test_plan_refuses_overlapping_rows():
+    # An expanded (stride-0) source dim: rows overlap, so no single pitched copy; pieces or None.
+    dst, src = torch.full((5, 3, D), float("nan")), numbered(1, 3, D).expand(5, 3, D)
+    n = run_plan(dst, src)
+    assert n == 5 and torch.equal(dst, src)

@@ -79,6 +79,11 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
     head groups; the transfer of group g + 1 runs while group g attends, so about 1/G of the
     transfer stays exposed.
 
+    Raises:
+        RuntimeError: the CUDA driver refused a 2-D copy; or, surfacing at a later synchronization,
+            a symmetric-memory barrier timed out (a peer did not arrive within the group's collective
+            timeout, :func:`~diffusers_sp.copy_engine.barrier_timeout_ms`), which aborts the kernel.
+
     Every rank pushes: its buffer, laid out ``[(K, V), group g: [S, B, h_g, D]]`` (rows of rank p at
     ``sum(sizes[:p])``), is written by itself and its peers. Per call:
 
@@ -90,7 +95,8 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
        this rank's own rows into its own buffer on a copy engine, group by group;
     2. compute stream: attention of group g after both its events, over ``[B, h_g, S, D]`` views of
        the buffer; the second stream copies each group's output into one ``[B, T + S_r, H, D]``
-       buffer (under the next group's attention), which the compute stream waits for at the end.
+       buffer (under the next group's attention), which the compute stream waits for at the end
+       (with G = 1 the attention output itself is returned).
     """
     P, r = group.world_size, group.rank
     B, H, L, D = query.shape

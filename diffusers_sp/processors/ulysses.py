@@ -175,17 +175,23 @@ def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value:
         alternate), which covers model code that consumes the attention output at once or holds it
         across one other attention call.
 
+    Raises:
+        RuntimeError: the CUDA driver refused a 2-D copy; or, surfacing at a later synchronization,
+            a symmetric-memory barrier timed out (a peer did not arrive within the group's collective
+            timeout, :func:`~diffusers_sp.copy_engine.barrier_timeout_ms`), which aborts the kernel.
+
     Every rank pushes: no packing copies. Its symmetric buffer holds, written by itself and its
     peers, the gathered Q/K/V of its own heads ``[(Q, K, V), group g: [S, B, h_rg, D]]`` and two
     alternating output regions ``[B, S_r, H, D]``. Per call:
 
-    1. side stream, after the compute stream's work so far (so this rank's previous attention and
-       output projection have read its buffer): barrier (every rank may now be written to); per head
-       group, 2-D copy-engine copies (:func:`~diffusers_sp.copy_engine.copy_rows`) of this rank's
-       Q/K/V rows of each peer's heads of that group, straight from the model's token-major tensors
-       into the peer's buffer, then a barrier (every peer's rows of this group have arrived) and an
-       event; meanwhile a second stream copies this rank's own rows of its own heads on a copy
-       engine, group by group;
+    1. side stream, after the compute stream's work so far (so every earlier read of this rank's
+       buffer enqueued there is done: Q/K/V by the attention, an output region by the model's output
+       projection): barrier (every rank may now be written to); per head group, 2-D copy-engine
+       copies (:func:`~diffusers_sp.copy_engine.copy_rows`) of this rank's Q/K/V rows of each
+       peer's heads of that group, straight from the model's token-major tensors into the peer's
+       buffer, then a barrier (every peer's rows of this group have arrived) and an event;
+       meanwhile a second stream copies this rank's own rows of its own heads on a copy engine,
+       group by group;
     2. compute stream: per group, attention after both its events; after it, the second stream
        copies this rank's own output rows into its output region, and the side stream pushes every
        peer's rows of this group's output into that peer's output region at this rank's heads;
