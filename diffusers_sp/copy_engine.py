@@ -136,6 +136,7 @@ class _Memcpy2D(ctypes.Structure):
 
 
 _CU_MEMORYTYPE_DEVICE = 2  # cuda.h CUmemorytype
+_MIN_ROW_BYTES = 64  # narrower rows (e.g. a strided last dim) are left to an SM copy
 _DRIVER: list = []  # [cuMemcpy2DAsync_v2, cuGetErrorString] once loaded
 
 
@@ -201,6 +202,18 @@ def _split_pitched(dst: torch.Tensor, src: torch.Tensor, budget: int) -> list | 
     return pieces
 
 
+def _plan_copy(dst: torch.Tensor, src: torch.Tensor, max_copies: int) -> list | None:
+    """The pitched 2-D copies :func:`copy_rows` issues (see :func:`_split_pitched`), or ``None``
+    when it should not: lazy negation/conjugation bits (a byte copy would drop them), more than
+    ``max_copies`` pieces, or rows narrower than 64 bytes (an SM copy does those better)."""
+    if src.is_neg() or src.is_conj() or dst.is_neg() or dst.is_conj():
+        return None
+    pieces = _split_pitched(dst, src, max_copies)
+    if pieces is None or any(width * dst.element_size() < _MIN_ROW_BYTES for _, _, (_, width, _, _) in pieces):
+        return None
+    return pieces
+
+
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> bool:
     """Copies ``src`` into ``dst`` on a copy engine: pitched 2-D copies on the current stream of the
     current device.
@@ -223,8 +236,9 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> boo
 
     Returns:
         ``True`` if the copy was issued on copy engines; ``False`` if the layouts do not split into
-        pitched rows within ``max_copies``, in which case nothing was copied and the caller copies
-        with ``Tensor.copy_``.
+        pitched rows of at least 64 bytes within ``max_copies``, or either tensor carries a lazy
+        negation/conjugation bit, in which case nothing was copied and the caller copies with
+        ``Tensor.copy_``.
 
     Raises:
         ValueError: shapes or dtypes differ, or the tensors are not CUDA tensors of one device.
@@ -241,7 +255,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> boo
         raise ValueError(f"copy_rows needs CUDA tensors of one device, got {dst.device} and {src.device}")
     if dst.numel() == 0:
         return True
-    pieces = _split_pitched(dst, src, max_copies)
+    pieces = _plan_copy(dst, src, max_copies)
     if pieces is None:
         return False
     copy, error = _driver()

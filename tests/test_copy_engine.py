@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusers_sp.copy_engine import _split_pitched, copy_rows
+from diffusers_sp.copy_engine import _plan_copy, _split_pitched, copy_rows
 
 
 def run_plan(dst: torch.Tensor, src: torch.Tensor, budget: int = 64) -> int | None:
@@ -81,3 +81,12 @@ def test_plan_refuses_overlapping_rows():
     dst, src = torch.full((5, 3, D), float("nan")), numbered(1, 3, D).expand(5, 3, D)
     n = run_plan(dst, src)
     assert n == 5 and torch.equal(dst, src)
+
+
+def test_copies_that_must_not_be_byte_copies_are_refused():
+    # A lazily negated view: its bytes are the un-negated values, so only Tensor.copy_ is right.
+    x = numbered(2, 3, D)
+    assert _plan_copy(torch.empty(2, 3, D), torch._neg_view(x), 64) is None
+    assert _plan_copy(torch.empty(2, 3, D), x, 64) is not None
+    # A strided last dim would mean rows of one element: left to an SM copy.
+    assert _plan_copy(torch.empty(7, 3, D), numbered(7, 3, 2 * D)[:, :, ::2], 64) is None
