@@ -241,7 +241,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> boo
         ``Tensor.copy_``.
 
     Raises:
-        ValueError: shapes or dtypes differ, or the tensors are not CUDA tensors of one device.
+        ValueError: shapes or dtypes differ, or a tensor is not a CUDA tensor.
         OSError: the CUDA driver library (``libcuda.so.1``) cannot be loaded.
         RuntimeError: the driver refused a copy (its error string is in the message; pieces issued
             before it stay issued).
@@ -251,8 +251,8 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> boo
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise ValueError(f"copy_rows needs one shape and dtype, got {tuple(dst.shape)} {dst.dtype} "
                          f"and {tuple(src.shape)} {src.dtype}")
-    if not (dst.is_cuda and src.is_cuda and dst.device == src.device):
-        raise ValueError(f"copy_rows needs CUDA tensors of one device, got {dst.device} and {src.device}")
+    if not (dst.is_cuda and src.is_cuda):
+        raise ValueError(f"copy_rows needs CUDA tensors, got {dst.device} and {src.device}")
     if dst.numel() == 0:
         return True
     pieces = _plan_copy(dst, src, max_copies)
@@ -284,7 +284,7 @@ def copy_or_fallback(dst: torch.Tensor, src: torch.Tensor) -> None:
             symmetric memory count as local), any layout.
 
     Raises:
-        ValueError: shapes, dtypes or devices differ (see :func:`copy_rows`).
+        ValueError: shapes or dtypes differ, or a tensor is not on CUDA (see :func:`copy_rows`).
         RuntimeError: the driver refused a copy.
     """
     if not copy_rows(dst, src):
