@@ -170,10 +170,10 @@ def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value:
             ``min(G, min_p h_p)`` balanced groups (the same count on every rank).
 
     Returns:
-        ``[B, H, S_r, D]``, a view of a ``[B, S_r, H, D]`` region of the group's symmetric buffer. It
-        stays valid until the second-next copy-engine call on the group (two output regions
-        alternate), which covers model code that consumes the attention output at once or holds it
-        across one other attention call.
+        ``[B, H, S_r, D]``, a view of a ``[B, S_r, H, D]`` region of the group's symmetric buffer,
+        valid until the next copy-engine call on the group (consume it or copy it before then). Two
+        output regions alternate, so a following Ulysses call of the same shapes leaves it intact,
+        but a call of other shapes or a K/V-gather call may overwrite it.
 
     Raises:
         RuntimeError: the CUDA driver refused a 2-D copy; or, surfacing at a later synchronization,
