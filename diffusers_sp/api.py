@@ -23,7 +23,8 @@ from .validation import SequenceParallelConfigError, validate_mode, validate_vsa
 
 logger = logging.getLogger("diffusers_sp")
 
-_OPTIONS = {"attention_kernel": "auto", "sp_transport": "auto", "overlap_head_groups": "auto", **VSA_DEFAULTS}
+_OPTIONS = {"attention_kernel": "auto", "sp_transport": "auto", "overlap_head_groups": "auto",
+            "overlap_query_projection": True, **VSA_DEFAULTS}
 _HANDLE_ATTR = "_diffusers_sp_handle"
 
 
@@ -287,7 +288,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             and for Ulysses on models with joint text, which always use NCCL); see
             :mod:`diffusers_sp.copy_engine`.
             ``overlap_head_groups``: ``"auto"`` (2) or a positive int, the head groups whose
-            copy-engine transfers overlap the attention. For ``mode="vsa"``: ``vsa_sparsity``
+            copy-engine transfers overlap the attention. ``overlap_query_projection``: ``True``
+            (default) or ``False``: with K/V-gather on families that provide it (Wan), K and V are
+            projected first and their transfer overlaps the query projection, QK-norm and RoPE. For ``mode="vsa"``: ``vsa_sparsity``
             (fraction of key tiles skipped, default 0.9),
             ``vsa_tile_size`` (default ``(4, 4, 4)`` latent patches, frames first), ``vsa_sp_mode``
             (``"auto"``, ``"ulysses"``, ``"kv_gather"``: the communication underneath) and
@@ -314,6 +317,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             f"attention_kernel={opts['attention_kernel']!r} is not one of {KERNELS}.")
     if opts["sp_transport"] not in TRANSPORTS:
         raise SequenceParallelConfigError(f"sp_transport={opts['sp_transport']!r} is not one of {TRANSPORTS}.")
+    if not isinstance(opts["overlap_query_projection"], bool):
+        raise SequenceParallelConfigError(
+            f"overlap_query_projection must be True or False, got {opts['overlap_query_projection']!r}.")
     groups_opt = opts["overlap_head_groups"]
     try:
         head_group_sizes(1, groups_opt)  # the copy engines' own check of the option
@@ -366,6 +372,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         group = pgroups.sp
     transport = _resolve_transport(opts["sp_transport"], resolved, group, traits)
     _check_same_on_all_ranks(group, (traits.fingerprint(), resolved, opts["attention_kernel"], transport, groups_opt,
+                                     opts["overlap_query_projection"],
                                      None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"],
                                                                opts["vsa_gate_weights"] is not None),
                                      layout.num_replicas, layout.cfg_degree, bool(parallel_vae)))
@@ -402,8 +409,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 inner._attention_backend = "native"
             installed.processors.append((module, inner, backend))
             if vsa is None:
+                kv_first = family.self_attention_kv_first if opts["overlap_query_projection"] else None
                 processor = processor_cls(inner, state, kernel=opts["attention_kernel"], transport=transport,
-                                          head_groups=groups_opt)
+                                          head_groups=groups_opt, kv_first=kv_first)
             else:
                 gate = vsa["gates"][index][layer] if vsa["gates"][index] is not None else None
                 processor = VideoSparseAttnProcessor(inner, state, sparsity=vsa["sparsity"], sp_mode=vsa["sp_mode"],

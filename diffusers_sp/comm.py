@@ -8,7 +8,7 @@ every other rank's size without asking.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,16 +57,31 @@ def all_gather_dim0(x: torch.Tensor, sizes: Sequence[int], group: SPGroup) -> to
     Uneven shards are padded to ``max(sizes)`` rows, gathered in one collective, and the padding
     rows dropped with one ``index_select``.
     """
+    return start_all_gather_dim0(x, sizes, group)()
+
+
+def start_all_gather_dim0(x: torch.Tensor, sizes: Sequence[int], group: SPGroup) -> Callable[[], torch.Tensor]:
+    """Issues :func:`all_gather_dim0` and returns a function that waits for it and returns its result.
+
+    Work queued on the current stream between the two calls runs while the collective is in flight
+    (eagerly, the functional collective runs on the process group's own stream and the wait is a
+    stream wait, not a host sync). Same arguments and result as :func:`all_gather_dim0`.
+    """
     if group.world_size == 1:
-        return x
+        return lambda: x
     longest = max(sizes)
     if x.shape[0] != longest:
         x = torch.cat([x, x.new_zeros((longest - x.shape[0],) + tuple(x.shape[1:]))], dim=0)
-    gathered = _wait(_all_gather(x.contiguous(), 0, group.group))
-    if all(s == longest for s in sizes):
-        return gathered
-    keep = torch.cat([torch.arange(i * longest, i * longest + s, device=x.device) for i, s in enumerate(sizes)])
-    return gathered.index_select(0, keep)
+    pending = _all_gather(x.contiguous(), 0, group.group)
+
+    def finish() -> torch.Tensor:
+        gathered = _wait(pending)
+        if all(s == longest for s in sizes):
+            return gathered
+        keep = torch.cat([torch.arange(i * longest, i * longest + s, device=x.device) for i, s in enumerate(sizes)])
+        return gathered.index_select(0, keep)
+
+    return finish
 
 
 def all_gather_along(x: torch.Tensor, dim: int, sizes: Sequence[int], group: SPGroup) -> torch.Tensor:

@@ -30,15 +30,38 @@ def _inputs(batch: int = 2, per_token_timestep: bool = False, in_channels: int =
     return x, t, torch.randn(batch, 12, 32, generator=g)
 
 
+def _count_kv_first(model) -> list:
+    """Counts, per call, the self-attention calls that took the family's K/V-first path."""
+    calls = []
+    for block in model.blocks:
+        proc = block.attn1.processor
+        if getattr(proc, "kv_first", None) is not None:
+            finish = proc._finish_kv
+            proc._finish_kv = lambda *a, _f=finish, **k: (calls.append(1), _f(*a, **k))[1]
+    return calls
+
+
 def _forward_all_modes(model, kwargs) -> dict:
     with torch.no_grad():
         ref = model(**kwargs).sample
         results = {}
         for mode in MODES:
             handle = enable_sequence_parallel(model, mode=mode)
+            calls = _count_kv_first(model)
             results[mode] = compare(ref, model(**kwargs).sample)
             results[mode]["resolved"] = handle.mode
+            results[mode]["kv_first_calls"] = len(calls)
             handle.disable()
+        # K/V-gather without the K/V-first reordering: the model's processor with its attention
+        # call taken over; both paths run the same operations, so they agree bit for bit.
+        handle = enable_sequence_parallel(model, mode="kv_gather", overlap_query_projection=False)
+        calls = _count_kv_first(model)
+        out = model(**kwargs).sample
+        handle.disable()
+        handle = enable_sequence_parallel(model, mode="kv_gather")
+        results["kv_first_vs_generic"] = compare(out, model(**kwargs).sample)
+        results["kv_first_vs_generic"]["generic_kv_first_calls"] = len(calls)
+        handle.disable()
         results["restored_bitwise"] = torch.equal(model(**kwargs).sample, ref)
     return results
 

@@ -27,6 +27,13 @@ def test_transformer_forward_equals_one_process(results, case):
             assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
             assert v[mode]["resolved"] == mode
         assert v["restored_bitwise"], f"P={P} rank {rank}: disable did not restore the outputs bit for bit"
+        # K/V-gather's self-attention (attn1 of every block, I2V included: the image context enters
+        # attn2) takes Wan's K/V-first path; Ulysses never does.
+        blocks = 2  # tiny_wan_transformer's depth
+        assert v["kv_gather"]["kv_first_calls"] == blocks, v["kv_gather"]
+        assert v["ulysses"]["kv_first_calls"] == 0
+        assert v["kv_first_vs_generic"]["generic_kv_first_calls"] == 0
+        assert v["kv_first_vs_generic"]["equal"], f"P={P} rank {rank}: K/V-first path differs: {v['kv_first_vs_generic']}"
 
 
 @pytest.mark.parametrize("case,modes,transformers", [
@@ -75,3 +82,55 @@ def test_group_usable_after_errors(results):
     for v in values(res, "group_usable_after_errors"):
         assert v["sum"] == P * (P + 1) / 2
         assert_close(v["forward"]["kv_gather"], "forward after errors")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate_qkv", "fused_qkv"])
+def test_kv_first_matches_the_model_processor_bitwise(fused):
+    """Wan's K/V-first self-attention (pipelines/wan.py) runs the model processor's operations in
+    another order; on one process, with the attention itself left to SDPA, the model's output must
+    not change by a bit (also guards against a Diffusers release changing WanAttnProcessor)."""
+    import torch.nn.functional as F
+
+    from diffusers_sp.pipelines.wan import wan_self_attention_kv_first
+    from diffusers_sp.tiny_models import tiny_wan_transformer
+
+    model = tiny_wan_transformer().eval()
+    if fused:
+        for block in model.blocks:
+            block.attn1.fuse_projections()
+    g = torch.Generator().manual_seed(3)
+    kwargs = dict(hidden_states=torch.randn(1, 16, 3, 6, 8, generator=g), timestep=torch.tensor([700.0]),
+                  encoder_hidden_states=torch.randn(1, 12, 32, generator=g))
+    starts = []
+
+    class KVFirst:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+            def start(key, value):
+                starts.append(key.shape)
+                return key, value
+
+            def finish(kv, query, scale=None):
+                return F.scaled_dot_product_attention(query, *kv, scale=scale)
+
+            args = (hidden_states,)
+            kw = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask, rotary_emb=rotary_emb)
+            out = wan_self_attention_kv_first(self.inner, attn, args, kw, start, finish)
+            assert out is not NotImplemented
+            return out
+
+    with torch.no_grad():
+        ref = model(**kwargs).sample
+        inners = [block.attn1.processor for block in model.blocks]
+        # Cross-attention (encoder states given) is declined, so the model's processor runs it.
+        attn2 = model.blocks[0].attn2
+        text = torch.randn(1, 12, 72)
+        assert wan_self_attention_kv_first(attn2.processor, attn2, (torch.randn(1, 4, 72),),
+                                           dict(encoder_hidden_states=text), None, None) is NotImplemented
+        for block, inner in zip(model.blocks, inners):
+            block.attn1.processor = KVFirst(inner)
+        out = model(**kwargs).sample
+    assert len(starts) == len(model.blocks) and starts[0] == (1, 6, 3 * 3 * 4, 12)
+    assert torch.equal(out, ref), (out - ref).abs().max()

@@ -37,6 +37,10 @@ class FamilySpec:
         modes: Sequence-parallel modes that run exactly for the family (README table, tests).
         latent_grid: ``(model, args, kwargs) -> (T, H, W)``: the patchified latent grid of a forward
             call, in patches (video families; needed by VSA). ``None``: the grid cannot be read.
+        self_attention_kv_first: ``None`` or the family's self-attention processor rewritten to make
+            K and V before Q, so that K/V-gather's transfer overlaps the query projection
+            (``overlap_query_projection``; see
+            :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`, ``kv_first``).
     """
 
     name: str
@@ -51,6 +55,7 @@ class FamilySpec:
     text_mask: bool = False
     modes: tuple[str, ...] = ("ulysses", "kv_gather")
     latent_grid: Callable | None = None
+    self_attention_kv_first: Callable | None = None
 
     def model_traits(self, model: torch.nn.Module, attribute: str) -> ModelTraits:
         """The :class:`~diffusers_sp.traits.ModelTraits` of ``model`` (held as ``attribute`` by its

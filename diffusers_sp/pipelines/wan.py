@@ -9,6 +9,10 @@ shape ``[B, S]``) at the model input, gather the output projection.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
+import torch
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
 from . import FamilySpec
@@ -47,6 +51,75 @@ def wan_attention_modules(model) -> list:
     return [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(model.blocks)]
 
 
+@functools.lru_cache(maxsize=None)
+def _wan_processor_signature():
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    return WanAttnProcessor, inspect.signature(WanAttnProcessor.__call__)
+
+
+def _wan_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding on ``x`` ``[B, S, H, D]`` (pairs of adjacent channels rotated), with the
+    same operations in the same order as the function local to Diffusers' ``WanAttnProcessor.__call__``
+    (0.42), so the result is bit-identical; ``freqs_cos``/``freqs_sin`` ``[1, S, 1, D]`` (float32,
+    each value repeated for the two channels of a pair)."""
+    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out.type_as(x)
+
+
+def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv, finish_kv):
+    """Wan's video self-attention (``attn1``) with K and V made, and their transfer started, before Q.
+
+    Diffusers' ``WanAttnProcessor`` projects Q, K and V, normalizes and rotates Q then K, and only
+    then calls the attention, so a sequence-parallel strategy that catches that call can move K and V
+    only once all of it is done. This runs the same operations (projections, ``norm_k``/``norm_q``,
+    RoPE, output projection: the model's own modules) in another order: K and V first, then
+    ``start_kv``, then Q, whose projection, QK-norm and RoPE run on the GPU while K and V are in
+    flight ("overlapping the K/V all-gather with the query projection"). The output is bit-identical
+    to the model's processor (``tests/test_wan_parallel.py`` compares them).
+
+    Args:
+        inner: The model's processor; anything but a plain ``WanAttnProcessor`` is declined.
+        attn: The ``WanAttention`` module.
+        args, kwargs: The processor call's arguments (``hidden_states`` ``[B, S_r, C]``,
+            ``rotary_emb`` ``(cos, sin)`` of ``[1, S_r, 1, D]``).
+        start_kv: ``(key, value) -> started``, both ``[B, H, S_r, D]``.
+        finish_kv: ``(started, query, scale=None) -> [B, H, S_r, D]``.
+
+    Returns:
+        ``[B, S_r, C]``, the attention block's output; or ``NotImplemented`` for cross-attention,
+        image-context (I2V) projections or an attention mask, which the model's processor then runs.
+    """
+    processor_cls, signature = _wan_processor_signature()
+    if type(inner) is not processor_cls or getattr(attn, "add_k_proj", None) is not None:
+        return NotImplemented
+    call = signature.bind(inner, attn, *args, **kwargs).arguments
+    if call.get("encoder_hidden_states") is not None or call.get("attention_mask") is not None:
+        return NotImplemented
+    hidden_states, rotary_emb = call["hidden_states"], call.get("rotary_emb")
+    if attn.fused_projections:
+        query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    else:
+        query, key, value = None, attn.to_k(hidden_states), attn.to_v(hidden_states)
+    key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+    value = value.unflatten(2, (attn.heads, -1))
+    if rotary_emb is not None:
+        key = _wan_rope(key, *rotary_emb)
+    started = start_kv(key.transpose(1, 2), value.transpose(1, 2))  # SDPA layout [B, H, S_r, D]
+    if query is None:
+        query = attn.to_q(hidden_states)
+    query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+    if rotary_emb is not None:
+        query = _wan_rope(query, *rotary_emb)
+    out = finish_kv(started, query.transpose(1, 2)).transpose(1, 2)  # [B, S_r, H, D]
+    out = out.flatten(2, 3).type_as(query)
+    return attn.to_out[1](attn.to_out[0](out))
+
+
 WAN = FamilySpec(
     name="wan",
     pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
@@ -58,4 +131,5 @@ WAN = FamilySpec(
     transformer_attributes=("transformer", "transformer_2"),
     modes=("ulysses", "kv_gather", "vsa"),
     latent_grid=wan_latent_grid,
+    self_attention_kv_first=wan_self_attention_kv_first,
 )

@@ -185,13 +185,21 @@ class SequenceParallelAttnProcessor:
             (:mod:`diffusers_sp.copy_engine`; resolved by ``enable_sequence_parallel``). Used by the
             dense strategies; see :meth:`use_copy_engine`.
         head_groups: G of the copy-engine pipeline (``"auto"`` or a positive int).
+        kv_first: ``None`` or the family's self-attention with K and V made before the queries
+            (:attr:`diffusers_sp.pipelines.FamilySpec.self_attention_kv_first`), called as
+            ``kv_first(inner, attn, args, kwargs, start_kv, finish_kv)``; it returns
+            ``NotImplemented`` for calls it does not cover, which then run the model's processor.
+            Used only by strategies with :attr:`supports_kv_first` (the K/V transfer then overlaps
+            the query projection).
 
-    Subclasses implement :meth:`parallel_attention`. Tensors seen by it are ``[B, H, T + S_r, D]``
+    Subclasses implement :meth:`parallel_attention`, and may implement :meth:`start_attention` and
+    :meth:`finish_attention` (setting :attr:`supports_kv_first`). Tensors seen by it are ``[B, H, T + S_r, D]``
     (Diffusers' SDPA layout): ``T`` replicated text tokens (0 without joint text) and this rank's
     shard of ``S_r`` image tokens, in the family's order.
     """
 
     strategy = "base"
+    supports_kv_first = False
     _inner_cls = None
 
     def __new__(cls, inner, *args, **kwargs):
@@ -200,12 +208,13 @@ class SequenceParallelAttnProcessor:
         return object.__new__(cls)
 
     def __init__(self, inner, state: SequenceState, *, kernel: str = "auto", transport: str = "nccl",
-                 head_groups: int | str = "auto"):
+                 head_groups: int | str = "auto", kv_first=None):
         self.inner = inner
         self.state = state
         self.kernel = kernel
         self.transport = transport
         self.head_groups = head_groups
+        self.kv_first = kv_first if self.supports_kv_first else None
 
     def use_copy_engine(self, query: torch.Tensor) -> bool:
         """Whether this call moves its tensors by the copy engines: ``transport="copy_engine"``, CUDA
@@ -214,8 +223,46 @@ class SequenceParallelAttnProcessor:
         return self.transport == "copy_engine" and query.is_cuda and not torch.compiler.is_compiling()
 
     def _run(self, attn, *args, **kwargs):
+        if self.kv_first is not None:
+            out = self.kv_first(self.inner, attn, args, kwargs, self._start_kv, self._finish_kv)
+            if out is not NotImplemented:
+                return out
         with _AttentionCallIntercept(self._attend):
             return self.inner(attn, *args, **kwargs)
+
+    def _text_len(self, name: str, query_len: int, key_len: int, sizes: list[int]) -> int:
+        """T of a call whose queries and keys have these lengths; raises if they are not this rank's shard."""
+        layout = self.state.extra.get("joint_text")
+        text_len = query_len - sizes[self.state.group.rank]
+        if key_len != query_len or text_len < 0 or (text_len > 0 and layout is None):
+            expected = (f"{sizes[self.state.group.rank]} image tokens" if layout is None
+                        else f"{sizes[self.state.group.rank]} image tokens plus the text tokens ({layout})")
+            raise SequenceParallelConfigError(
+                f"{name}: expected this rank's shard of {expected} (image sequence {self.state.seq_len} over "
+                f"{len(sizes)} ranks) in self-attention, got queries of {query_len} and keys of {key_len} "
+                f"tokens. The sharding plan does not match the model's forward.")
+        return text_len
+
+    def _start_kv(self, key: torch.Tensor, value: torch.Tensor):
+        """``start_kv`` of :attr:`kv_first`: checks K and V ``[B, H, T + S_r, D]`` and starts their transfer."""
+        name = type(self.inner).__name__
+        sizes = self.state.shard_sizes()
+        if value.shape != key.shape:
+            raise SequenceParallelConfigError(
+                f"{name}: keys {tuple(key.shape)} and values {tuple(value.shape)} differ in shape.")
+        text_len = self._text_len(name, key.shape[2], key.shape[2], sizes)
+        self.state.group.check_device(key.device)
+        pending = self.start_attention(key, value, sizes, text_len=text_len,
+                                       text_layout=self.state.extra.get("joint_text"))
+        return pending, tuple(key.shape)
+
+    def _finish_kv(self, started, query: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """``finish_kv`` of :attr:`kv_first`: attention of ``query`` (shaped like the keys) over the started K/V."""
+        pending, shape = started
+        if tuple(query.shape) != shape:
+            raise SequenceParallelConfigError(
+                f"{type(self.inner).__name__}: queries {tuple(query.shape)} do not match the keys {shape}.")
+        return self.finish_attention(pending, query, scale=scale)
 
     def _attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
@@ -230,17 +277,9 @@ class SequenceParallelAttnProcessor:
             raise SequenceParallelConfigError(
                 f"{name}: grouped-query attention (fewer K/V heads than query heads) is not supported.")
         sizes = self.state.shard_sizes()
-        rank = self.state.group.rank
         layout = self.state.extra.get("joint_text")
         length = query.shape[2]
-        text_len = length - sizes[rank]
-        if key.shape[2] != length or text_len < 0 or (text_len > 0 and layout is None):
-            expected = (f"{sizes[rank]} image tokens" if layout is None
-                        else f"{sizes[rank]} image tokens plus the text tokens ({layout})")
-            raise SequenceParallelConfigError(
-                f"{name}: expected this rank's shard of {expected} (image sequence {self.state.seq_len} over "
-                f"{len(sizes)} ranks) in self-attention, got queries of {length} and keys of {key.shape[2]} "
-                f"tokens. The sharding plan does not match the model's forward.")
+        text_len = self._text_len(name, length, key.shape[2], sizes)
         mask = normalize_key_padding_mask(attn_mask, query.shape[0], query.shape[1], length, name)
         self.state.group.check_device(query.device)
         mask = gather_key_padding_mask(mask, text_len, layout, sizes, self.state.group)
@@ -266,4 +305,17 @@ class SequenceParallelAttnProcessor:
             ``[B, H, text_len + sizes[rank], D]``: attention output of this rank's query rows; the
             text rows are the same on every rank.
         """
+        raise NotImplementedError
+
+    def start_attention(self, key: torch.Tensor, value: torch.Tensor, sizes: list[int], *, text_len: int = 0,
+                        text_layout: str | None = None):
+        """First half of :meth:`parallel_attention` for strategies with :attr:`supports_kv_first`:
+        starts moving K and V (``[B, H, text_len + sizes[rank], D]``) before the queries exist, and
+        returns an opaque object for :meth:`finish_attention` (no key mask: the family hooks run
+        only unmasked calls)."""
+        raise NotImplementedError
+
+    def finish_attention(self, pending, query: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+        """Second half: attention of ``query`` (``[B, H, text_len + sizes[rank], D]``) over the K and V
+        started by :meth:`start_attention`; returns ``[B, H, text_len + sizes[rank], D]``."""
         raise NotImplementedError

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import all_gather_dim0
+from ..comm import start_all_gather_dim0
 from ..copy_engine import barrier_timeout_ms, copy_or_fallback, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
 from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
@@ -35,9 +35,88 @@ def gather_kv(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group) -
     ranks with the shorter shard when the shards are uneven). The returned tensors are
     ``[B, H, S, D]`` views of the gathered ``[S, B, H, D]`` buffers.
     """
+    return start_gather_kv(key, value, sizes, group)()
+
+
+def start_gather_kv(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group):
+    """Issues :func:`gather_kv` and returns a function that waits for it and returns ``(K, V)``.
+
+    Work queued between the two calls (the query projection, with ``overlap_query_projection``)
+    runs while the all-gathers are in flight; same arguments and result as :func:`gather_kv`.
+    """
     if group.world_size == 1:
-        return key, value
-    return tuple(all_gather_dim0(t.permute(2, 0, 1, 3), sizes, group).permute(1, 2, 0, 3) for t in (key, value))
+        return lambda: (key, value)
+    pending = [start_all_gather_dim0(t.permute(2, 0, 1, 3), sizes, group) for t in (key, value)]
+    return lambda: tuple(finish().permute(1, 2, 0, 3) for finish in pending)
+
+
+class PendingKV:
+    """K and V of one K/V-gather attention call, in flight between :func:`start_kv_gather` and
+    :func:`finish_kv_gather` (consumed once)."""
+
+    def __init__(self, finish):
+        self._finish = finish  # (query, *, scale, kernel, key_mask) -> output
+
+    def finish(self, query, **kwargs):
+        finish, self._finish = self._finish, None
+        if finish is None:
+            raise RuntimeError("this K/V transfer was already consumed by an attention call")
+        return finish(query, **kwargs)
+
+
+def start_kv_gather(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group, *, copy_engine: bool = False,
+                    head_groups: int | str = "auto", text_len: int = 0, text_layout: str | None = None) -> PendingKV:
+    """Starts moving K and V for :func:`finish_kv_gather`, before the queries exist.
+
+    Args:
+        key, value: ``[B, H, T + S_r, D]``: ``T = text_len`` replicated text tokens and this rank's
+            image shard (``S_r = sizes[rank]``) in the order of ``text_layout``.
+        sizes: Image tokens per rank, ``sum(sizes) = S``.
+        group: :class:`~diffusers_sp.groups.SPGroup` of P ranks (no constraint on H).
+        copy_engine: Move K and V by the copy engines (:func:`kv_gather_attention_copy_engine`;
+            CUDA tensors on an NCCL group of one host) instead of NCCL's all-gather.
+        head_groups: G of the copy-engine pipeline (see :func:`~diffusers_sp.copy_engine.head_group_sizes`).
+        text_len: T (0: no text in the sequence).
+        text_layout: ``"prefix"`` (text first) or ``"suffix"`` (text last); ignored when T = 0.
+
+    Returns:
+        A :class:`PendingKV`. Work enqueued on the current stream before :func:`finish_kv_gather`
+        (for Wan, the query projection, QK-norm and RoPE) runs while K and V are in flight. With the
+        copy engines, no other copy-engine call may run on ``group`` in between.
+    """
+    txt_k, img_k = split_text_image(key, text_len, text_layout)
+    txt_v, img_v = split_text_image(value, text_len, text_layout)
+    if copy_engine:
+        finish = _start_copy_engine(img_k, img_v, sizes, group, head_groups, txt_k, txt_v, text_layout)
+    else:
+        gathered = start_gather_kv(img_k, img_v, sizes, group)
+
+        def finish(query, *, scale=None, kernel="auto", key_mask=None):
+            k, v = gathered()
+            k, v = join_text_image(txt_k, k, text_layout), join_text_image(txt_v, v, text_layout)
+            return local_attention(query, k, v, attn_mask=key_mask, scale=scale, kernel=kernel)
+    return PendingKV(finish)
+
+
+def finish_kv_gather(pending: PendingKV, query: torch.Tensor, *, scale: float | None = None, kernel: str = "auto",
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the K and V that :func:`start_kv_gather` moved.
+
+    Args:
+        pending: From :func:`start_kv_gather` (on the same stream; consumed).
+        query: ``[B, H, T + S_r, D]``, same layout as the keys given to :func:`start_kv_gather`.
+        scale: Softmax scale (``None``: ``1/sqrt(D)``).
+        kernel: Local kernel name.
+        key_mask: ``None`` or a key padding mask ``[B or 1, H or 1, 1, T + S]`` over the full key
+            sequence (bool True = attend, or additive float).
+
+    Returns:
+        ``[B, H, T + S_r, D]``: this rank's rows of softmax(Q Kᵀ·scale + mask) V over all T + S keys.
+
+    Raises:
+        RuntimeError: ``pending`` was already consumed.
+    """
+    return pending.finish(query, scale=scale, kernel=kernel, key_mask=key_mask)
 
 
 def kv_gather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sizes: list[int], group, *,
@@ -60,11 +139,8 @@ def kv_gather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     Returns:
         ``[B, H, T + S_r, D]``: this rank's rows of softmax(Q Kᵀ·scale + mask) V over all T + S keys.
     """
-    txt_k, img_k = split_text_image(key, text_len, text_layout)
-    txt_v, img_v = split_text_image(value, text_len, text_layout)
-    k, v = gather_kv(img_k, img_v, sizes, group)
-    k, v = join_text_image(txt_k, k, text_layout), join_text_image(txt_v, v, text_layout)
-    return local_attention(query, k, v, attn_mask=key_mask, scale=scale, kernel=kernel)
+    pending = start_kv_gather(key, value, sizes, group, text_len=text_len, text_layout=text_layout)
+    return finish_kv_gather(pending, query, scale=scale, kernel=kernel, key_mask=key_mask)
 
 
 def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sizes: list[int],
@@ -77,7 +153,8 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
     one dtype on an NCCL group of one host (:func:`diffusers_sp.copy_engine.copy_engine_unavailable_reason`).
     ``head_groups`` (G, see :func:`head_group_sizes`): the attention runs as G calls over balanced
     head groups; the transfer of group g + 1 runs while group g attends, so about 1/G of the
-    transfer stays exposed.
+    transfer stays exposed (none when the query projection runs in between, as
+    :func:`start_kv_gather` allows).
 
     Raises:
         RuntimeError: the CUDA driver refused a 2-D copy; or, surfacing at a later synchronization,
@@ -98,19 +175,24 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
        buffer (under the next group's attention), which the compute stream waits for at the end
        (with G = 1 the attention output itself is returned).
     """
+    pending = start_kv_gather(key, value, sizes, group, copy_engine=True, head_groups=head_groups,
+                              text_len=text_len, text_layout=text_layout)
+    return finish_kv_gather(pending, query, scale=scale, kernel=kernel, key_mask=key_mask)
+
+
+def _start_copy_engine(img_k, img_v, sizes, group, head_groups, txt_k, txt_v, text_layout):
+    """Step 1 of :func:`kv_gather_attention_copy_engine`; returns its step 2 as a function of the query."""
     P, r = group.world_size, group.rank
-    B, H, L, D = query.shape
+    S_r, B, H, D = img_k.shape[2], img_k.shape[0], img_k.shape[1], img_k.shape[3]
     heads = head_group_sizes(H, head_groups)
     G, S = len(heads), sum(sizes)
     offsets = [sum(sizes[:i]) for i in range(P)]
-    txt_k, img_k = split_text_image(key, text_len, text_layout)
-    txt_v, img_v = split_text_image(value, text_len, text_layout)
-    dtype, device = key.dtype, key.device
+    dtype, device = img_k.dtype, img_k.device
     # Region of (tensor i, group g): [S, B, h_g, D] at element offset base[i][g], alike on every rank.
     per_tensor = S * B * H * D
     base = [[i * per_tensor + S * B * sum(heads[:g]) * D for g in range(G)] for i in range(2)]
-    ws = workspace(group, 2 * per_tensor * key.element_size(), device)
-    flat = ws.buffer[:2 * per_tensor * key.element_size()].view(dtype)
+    ws = workspace(group, 2 * per_tensor * img_k.element_size(), device)
+    flat = ws.buffer[:2 * per_tensor * img_k.element_size()].view(dtype)
 
     def region(i: int, g: int) -> torch.Tensor:
         return flat[base[i][g]:base[i][g] + S * B * heads[g] * D].view(S, B, heads[g], D)
@@ -141,41 +223,54 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
                 copy_or_fallback(region(i, g)[lo:hi], rows[:, :, starts[g]:starts[g] + heads[g]])
             ws.event(G + g).record(local)
 
-    per_head_mask = key_mask is not None and key_mask.shape[1] > 1
-    out = query.new_empty(B, L, H, D).permute(0, 2, 1, 3) if G > 1 else None
-    for g in range(G):
-        hs = slice(starts[g], starts[g] + heads[g])
-        compute.wait_event(ws.event(g))
-        compute.wait_event(ws.event(G + g))
-        k = join_text_image(txt_k[:, hs], region(0, g).permute(1, 2, 0, 3), text_layout)
-        v = join_text_image(txt_v[:, hs], region(1, g).permute(1, 2, 0, 3), text_layout)
-        o = local_attention(query[:, hs], k, v, attn_mask=key_mask[:, hs] if per_head_mask else key_mask,
-                            scale=scale, kernel=kernel)
-        if out is None:
-            return o
-        done = ws.event(2 * G + g)
-        done.record(compute)
-        o.record_stream(local)
-        with torch.cuda.stream(local):  # into the joined output on a copy engine, under the next group
-            local.wait_event(done)
-            copy_or_fallback(out[:, hs], o)
-    compute.wait_stream(local)
-    return out
+    def attend(query, *, scale=None, kernel="auto", key_mask=None):
+        if torch.cuda.current_stream(device) != compute:
+            raise RuntimeError("the copy-engine K/V transfer must be finished on the stream that started it")
+        L = query.shape[2]
+        per_head_mask = key_mask is not None and key_mask.shape[1] > 1
+        out = query.new_empty(B, L, H, D).permute(0, 2, 1, 3) if G > 1 else None
+        for g in range(G):
+            hs = slice(starts[g], starts[g] + heads[g])
+            compute.wait_event(ws.event(g))
+            compute.wait_event(ws.event(G + g))
+            k = join_text_image(txt_k[:, hs], region(0, g).permute(1, 2, 0, 3), text_layout)
+            v = join_text_image(txt_v[:, hs], region(1, g).permute(1, 2, 0, 3), text_layout)
+            o = local_attention(query[:, hs], k, v, attn_mask=key_mask[:, hs] if per_head_mask else key_mask,
+                                scale=scale, kernel=kernel)
+            if out is None:
+                return o
+            done = ws.event(2 * G + g)
+            done.record(compute)
+            o.record_stream(local)
+            with torch.cuda.stream(local):  # into the joined output on a copy engine, under the next group
+                local.wait_event(done)
+                copy_or_fallback(out[:, hs], o)
+        compute.wait_stream(local)
+        return out
+
+    return attend
 
 
 class KVGatherAttnProcessor(SequenceParallelAttnProcessor):
     """Attention processor running the model's own processor with K/V-gather sequence parallelism.
 
     See :func:`kv_gather_attention` (NCCL) and :func:`kv_gather_attention_copy_engine` (copy
-    engines) for the algorithm and
+    engines) for the algorithm. With a family's ``kv_first`` hook (Wan), K and V are started by
+    :func:`start_kv_gather` before the query projection runs, which then overlaps their transfer.
+    See
     :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments.
     """
 
     strategy = "kv_gather"
+    supports_kv_first = True
+
+    def start_attention(self, key, value, sizes, *, text_len=0, text_layout=None):
+        return start_kv_gather(key, value, sizes, self.state.group, copy_engine=self.use_copy_engine(key),
+                               head_groups=self.head_groups, text_len=text_len, text_layout=text_layout)
+
+    def finish_attention(self, pending, query, *, scale=None):
+        return finish_kv_gather(pending, query, scale=scale, kernel=self.kernel)
 
     def parallel_attention(self, query, key, value, sizes, *, scale, text_len=0, text_layout=None, key_mask=None):
-        kwargs = dict(scale=scale, kernel=self.kernel, text_len=text_len, text_layout=text_layout, key_mask=key_mask)
-        if self.use_copy_engine(query):
-            return kv_gather_attention_copy_engine(query, key, value, sizes, self.state.group,
-                                                   head_groups=self.head_groups, **kwargs)
-        return kv_gather_attention(query, key, value, sizes, self.state.group, **kwargs)
+        pending = self.start_attention(key, value, sizes, text_len=text_len, text_layout=text_layout)
+        return finish_kv_gather(pending, query, scale=scale, kernel=self.kernel, key_mask=key_mask)
