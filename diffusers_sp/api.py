@@ -289,8 +289,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             :mod:`diffusers_sp.copy_engine`.
             ``overlap_head_groups``: ``"auto"`` (2) or a positive int, the head groups whose
             copy-engine transfers overlap the attention. ``overlap_query_projection``: ``True``
-            (default) or ``False``: with K/V-gather on families that provide it (Wan), K and V are
-            projected first and their transfer overlaps the query projection, QK-norm and RoPE. For ``mode="vsa"``: ``vsa_sparsity``
+            (default) or ``False``: in both dense modes on families that provide it (Wan), K and V
+            are projected first and their transfer overlaps the query projection, QK-norm and RoPE. For ``mode="vsa"``: ``vsa_sparsity``
             (fraction of key tiles skipped, default 0.9),
             ``vsa_tile_size`` (default ``(4, 4, 4)`` latent patches, frames first), ``vsa_sp_mode``
             (``"auto"``, ``"ulysses"``, ``"kv_gather"``: the communication underneath) and

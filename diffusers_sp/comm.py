@@ -38,9 +38,17 @@ def all_to_all_flat(x: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequ
     Returns:
         1-D tensor of ``sum(recv_sizes)`` elements: the chunks received from ranks 0..P-1 in order.
     """
+    return start_all_to_all_flat(x, send_sizes, recv_sizes, group)()
+
+
+def start_all_to_all_flat(x: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int],
+                          group: SPGroup) -> Callable[[], torch.Tensor]:
+    """Issues :func:`all_to_all_flat` and returns a function that waits for it and returns its result
+    (as :func:`start_all_gather_dim0`: work queued in between overlaps the collective)."""
     if group.world_size == 1:
-        return x
-    return _wait(funcol.all_to_all_single(x, list(recv_sizes), list(send_sizes), group.group))
+        return lambda: x
+    pending = funcol.all_to_all_single(x, list(recv_sizes), list(send_sizes), group.group)
+    return lambda: _wait(pending)
 
 
 def all_gather_dim0(x: torch.Tensor, sizes: Sequence[int], group: SPGroup) -> torch.Tensor:

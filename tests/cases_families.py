@@ -54,8 +54,8 @@ def _forward_all_modes(model, kwargs, modes=MODES) -> dict:
 def _functional(text_len, layout, mask_kind, heads=5):
     from diffusers_sp.groups import resolve_group
     from diffusers_sp.processors.base import gather_key_padding_mask, split_text_image
-    from diffusers_sp.processors.kv_gather import kv_gather_attention
-    from diffusers_sp.processors.ulysses import ulysses_attention
+    from diffusers_sp.processors.kv_gather import finish_kv_gather, kv_gather_attention, start_kv_gather
+    from diffusers_sp.processors.ulysses import finish_ulysses, start_ulysses, ulysses_attention
     from diffusers_sp.sharding import balanced_sizes, shard
 
     group = resolve_group()
@@ -87,6 +87,12 @@ def _functional(text_len, layout, mask_kind, heads=5):
     for name, fn in (("ulysses", ulysses_attention), ("kv_gather", kv_gather_attention)):
         res = fn(lq, lk, lv, sizes, group, text_len=text_len, text_layout=layout, key_mask=lmask)
         out[name] = compare(ref_local, res)
+    # The K/V-first halves (NCCL/gloo transport), with other work between them.
+    for name, start, finish in (("ulysses start/finish", start_ulysses, finish_ulysses),
+                                ("kv_gather start/finish", start_kv_gather, finish_kv_gather)):
+        pending = start(lk, lv, sizes, group, text_len=text_len, text_layout=layout)
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        out[name] = compare(ref_local, finish(pending, lq, key_mask=lmask))
     return out
 
 

@@ -18,7 +18,8 @@ def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 
 #: Row name -> (mode, options). Both dense modes once per transport, the copy engines at 1, 4 and 5
-#: head groups (5 divides neither the 12 heads of K/V-gather nor the 6 per rank of Ulysses).
+#: head groups (5 divides neither the 12 heads of K/V-gather nor the 6 per rank of Ulysses), and
+#: both transports without Wan's K/V-first path (overlap_query_projection=False).
 RUNS = {
     "ulysses": ("ulysses", {"sp_transport": "nccl"}),
     "ulysses copy_engine G=1": ("ulysses", {"sp_transport": "copy_engine", "overlap_head_groups": 1}),
@@ -28,6 +29,11 @@ RUNS = {
     "kv_gather copy_engine G=1": ("kv_gather", {"sp_transport": "copy_engine", "overlap_head_groups": 1}),
     "kv_gather copy_engine G=4": ("kv_gather", {"sp_transport": "copy_engine", "overlap_head_groups": 4}),
     "kv_gather copy_engine G=5": ("kv_gather", {"sp_transport": "copy_engine", "overlap_head_groups": 5}),
+    "ulysses no-overlap": ("ulysses", {"sp_transport": "nccl", "overlap_query_projection": False}),
+    "ulysses copy_engine G=2 no-overlap": ("ulysses", {"sp_transport": "copy_engine", "overlap_query_projection": False}),
+    "kv_gather no-overlap": ("kv_gather", {"sp_transport": "nccl", "overlap_query_projection": False}),
+    "kv_gather copy_engine G=2 no-overlap": ("kv_gather", {"sp_transport": "copy_engine",
+                                                           "overlap_query_projection": False}),
     "vsa": ("vsa", {"vsa_sparsity": 0.0}),
 }
 
@@ -49,9 +55,10 @@ def case_transformer_bf16():
             outputs[name] = model(**kwargs).sample
             out[name] = rel_err(ref, outputs[name])
             handle.disable()
-    # The copy engines move the same bits as NCCL: the outputs are identical, not just close.
+    # The copy engines move the same bits as NCCL, and the K/V-first path runs the same operations as
+    # the model's processor: the outputs are identical, not just close.
     for name in RUNS:
-        if "copy_engine" in name:
+        if name != name.split()[0]:
             nccl = outputs[name.split()[0]]
             out[f"{name} differs from NCCL"] = float(not torch.equal(outputs[name], nccl))
     return out
@@ -63,7 +70,8 @@ def case_copy_engine_functional():
     symmetric buffer (1575, then 4001, then 33 image tokens)."""
     from diffusers_sp.groups import resolve_group
     from diffusers_sp.processors.base import gather_key_padding_mask, split_text_image
-    from diffusers_sp.processors.kv_gather import kv_gather_attention, kv_gather_attention_copy_engine
+    from diffusers_sp.processors.kv_gather import (finish_kv_gather, kv_gather_attention,
+                                                   kv_gather_attention_copy_engine, start_kv_gather)
     from diffusers_sp.sharding import balanced_sizes, shard
 
     group = resolve_group()
@@ -91,6 +99,13 @@ def case_copy_engine_functional():
         want = kv_gather_attention(local(q), local(k), local(v), sizes, group, **kw)
         got = kv_gather_attention_copy_engine(local(q), local(k), local(v), sizes, group, head_groups=groups, **kw)
         diffs[f"kv_gather S={S} T={T} G={groups}"] = (got - want).abs().max().item()
+        for ce in (False, True):  # the K/V-first halves, with other work queued between them
+            pending = start_kv_gather(local(k), local(v), sizes, group, copy_engine=ce, head_groups=groups,
+                                      text_len=T, text_layout=layout)
+            busy = torch.randn(2048, 2048, device=dev) @ torch.randn(2048, 2048, device=dev)
+            got = finish_kv_gather(pending, local(q), key_mask=lmask)
+            del busy
+            diffs[f"kv_gather start/finish copy_engine={ce} S={S} T={T}"] = (got - want).abs().max().item()
     return diffs
 
 
@@ -100,7 +115,8 @@ def case_ulysses_copy_engine_functional():
     rank's heads, and calls that grow and shrink the symmetric buffer."""
     from diffusers_sp.groups import resolve_group
     from diffusers_sp.processors.base import gather_key_padding_mask
-    from diffusers_sp.processors.ulysses import ulysses_attention, ulysses_attention_copy_engine
+    from diffusers_sp.processors.ulysses import (finish_ulysses, start_ulysses, ulysses_attention,
+                                                 ulysses_attention_copy_engine)
     from diffusers_sp.sharding import balanced_sizes, shard
 
     group = resolve_group()
@@ -121,6 +137,12 @@ def case_ulysses_copy_engine_functional():
         want = ulysses_attention(*local, sizes, group, key_mask=lmask)
         got = ulysses_attention_copy_engine(*local, sizes, group, key_mask=lmask, head_groups=groups)
         diffs[f"ulysses S={S} H={heads} G={groups}"] = (got - want).abs().max().item()
+        for ce in (False, True):  # the K/V-first halves, with other work queued between them
+            pending = start_ulysses(local[1], local[2], sizes, group, copy_engine=ce, head_groups=groups)
+            busy = torch.randn(2048, 2048, device=dev) @ torch.randn(2048, 2048, device=dev)
+            got = finish_ulysses(pending, local[0], key_mask=lmask)
+            del busy
+            diffs[f"ulysses start/finish copy_engine={ce} S={S} H={heads}"] = (got - want).abs().max().item()
     # The result is a view of the symmetric buffer, documented to stay valid across one more call.
     first = ulysses_attention_copy_engine(*local, sizes, group, key_mask=lmask, head_groups=groups)
     ulysses_attention_copy_engine(*(t.flip(2) for t in local), sizes, group, key_mask=lmask, head_groups=groups)

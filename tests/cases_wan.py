@@ -52,16 +52,17 @@ def _forward_all_modes(model, kwargs) -> dict:
             results[mode]["resolved"] = handle.mode
             results[mode]["kv_first_calls"] = len(calls)
             handle.disable()
-        # K/V-gather without the K/V-first reordering: the model's processor with its attention
-        # call taken over; both paths run the same operations, so they agree bit for bit.
-        handle = enable_sequence_parallel(model, mode="kv_gather", overlap_query_projection=False)
-        calls = _count_kv_first(model)
-        out = model(**kwargs).sample
-        handle.disable()
-        handle = enable_sequence_parallel(model, mode="kv_gather")
-        results["kv_first_vs_generic"] = compare(out, model(**kwargs).sample)
-        results["kv_first_vs_generic"]["generic_kv_first_calls"] = len(calls)
-        handle.disable()
+        # Without the K/V-first reordering: the model's processor with its attention call taken
+        # over; both paths run the same operations, so they agree bit for bit.
+        for mode in MODES:
+            handle = enable_sequence_parallel(model, mode=mode, overlap_query_projection=False)
+            calls = _count_kv_first(model)
+            out = model(**kwargs).sample
+            handle.disable()
+            handle = enable_sequence_parallel(model, mode=mode)
+            results[f"kv_first_vs_generic {mode}"] = compare(out, model(**kwargs).sample)
+            results[f"kv_first_vs_generic {mode}"]["generic_kv_first_calls"] = len(calls)
+            handle.disable()
         results["restored_bitwise"] = torch.equal(model(**kwargs).sample, ref)
     return results
 

@@ -33,6 +33,7 @@ def test_joint_attention_strategies_exact(results, case):
     for rank, v in enumerate(values(res, f"functional_{case}")):
         for mode in MODES:
             assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
+            assert_close(v[f"{mode} start/finish"], f"P={P} rank {rank} {case} {mode} start/finish")
 
 
 @pytest.mark.parametrize("case", TRANSFORMER_CASES)

@@ -27,13 +27,14 @@ def test_transformer_forward_equals_one_process(results, case):
             assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
             assert v[mode]["resolved"] == mode
         assert v["restored_bitwise"], f"P={P} rank {rank}: disable did not restore the outputs bit for bit"
-        # K/V-gather's self-attention (attn1 of every block, I2V included: the image context enters
-        # attn2) takes Wan's K/V-first path; Ulysses never does.
+        # The self-attention (attn1 of every block, I2V included: the image context enters attn2)
+        # takes Wan's K/V-first path in both modes, and not with overlap_query_projection=False.
         blocks = 2  # tiny_wan_transformer's depth
-        assert v["kv_gather"]["kv_first_calls"] == blocks, v["kv_gather"]
-        assert v["ulysses"]["kv_first_calls"] == 0
-        assert v["kv_first_vs_generic"]["generic_kv_first_calls"] == 0
-        assert v["kv_first_vs_generic"]["equal"], f"P={P} rank {rank}: K/V-first path differs: {v['kv_first_vs_generic']}"
+        for mode in ("ulysses", "kv_gather"):
+            assert v[mode]["kv_first_calls"] == blocks, v[mode]
+            generic = v[f"kv_first_vs_generic {mode}"]
+            assert generic["generic_kv_first_calls"] == 0
+            assert generic["equal"], f"P={P} rank {rank} {mode}: the K/V-first path differs: {generic}"
 
 
 @pytest.mark.parametrize("case,modes,transformers", [

@@ -130,6 +130,26 @@ def gather_key_padding_mask(mask: torch.Tensor | None, text_len: int, text_layou
     return join_text_image(text, full, text_layout, dim=3)
 
 
+class PendingKV:
+    """K and V of one attention call in flight, between a strategy's ``start_*`` and ``finish_*``
+    functions (:func:`~diffusers_sp.processors.kv_gather.start_kv_gather`,
+    :func:`~diffusers_sp.processors.ulysses.start_ulysses`); consumed once.
+
+    Args:
+        finish: ``(query, *, scale, kernel, key_mask) -> output``, the rest of the strategy's call.
+    """
+
+    def __init__(self, finish):
+        self._finish = finish
+
+    def finish(self, query: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Runs the rest of the call on ``query``; raises RuntimeError when called a second time."""
+        finish, self._finish = self._finish, None
+        if finish is None:
+            raise RuntimeError("this K/V transfer was already consumed by an attention call")
+        return finish(query, **kwargs)
+
+
 class _AttentionCallIntercept(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` calls to ``handler``; every other call passes through."""
 
@@ -254,14 +274,15 @@ class SequenceParallelAttnProcessor:
         self.state.group.check_device(key.device)
         pending = self.start_attention(key, value, sizes, text_len=text_len,
                                        text_layout=self.state.extra.get("joint_text"))
-        return pending, tuple(key.shape)
+        return pending, tuple(key.shape), key.dtype
 
     def _finish_kv(self, started, query: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """``finish_kv`` of :attr:`kv_first`: attention of ``query`` (shaped like the keys) over the started K/V."""
-        pending, shape = started
-        if tuple(query.shape) != shape:
+        pending, shape, dtype = started
+        if tuple(query.shape) != shape or query.dtype != dtype:
             raise SequenceParallelConfigError(
-                f"{type(self.inner).__name__}: queries {tuple(query.shape)} do not match the keys {shape}.")
+                f"{type(self.inner).__name__}: queries {tuple(query.shape)} {query.dtype} do not match the "
+                f"keys {shape} {dtype}.")
         return self.finish_attention(pending, query, scale=scale)
 
     def _attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -14,6 +14,8 @@ Two transports move K and V: NCCL's all-gather (:func:`gather_kv`, any backend, 
 on CUDA ranks of one host, the copy engines through symmetric memory with the attention split into
 head groups so that each group's transfer overlaps the previous group's attention
 (:func:`kv_gather_attention_copy_engine`, :mod:`diffusers_sp.copy_engine`). Both give the same bits.
+Either can start before the queries exist (:func:`start_kv_gather`, :func:`finish_kv_gather`),
+which the K/V-first family hooks (Wan) use so that K and V travel while the query projection runs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from ..comm import start_all_gather_dim0
 from ..copy_engine import barrier_timeout_ms, copy_or_fallback, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
-from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
+from .base import PendingKV, SequenceParallelAttnProcessor, join_text_image, split_text_image
 
 
 def gather_kv(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,20 +52,6 @@ def start_gather_kv(key: torch.Tensor, value: torch.Tensor, sizes: list[int], gr
     return lambda: tuple(finish().permute(1, 2, 0, 3) for finish in pending)
 
 
-class PendingKV:
-    """K and V of one K/V-gather attention call, in flight between :func:`start_kv_gather` and
-    :func:`finish_kv_gather` (consumed once)."""
-
-    def __init__(self, finish):
-        self._finish = finish  # (query, *, scale, kernel, key_mask) -> output
-
-    def finish(self, query, **kwargs):
-        finish, self._finish = self._finish, None
-        if finish is None:
-            raise RuntimeError("this K/V transfer was already consumed by an attention call")
-        return finish(query, **kwargs)
-
-
 def start_kv_gather(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group, *, copy_engine: bool = False,
                     head_groups: int | str = "auto", text_len: int = 0, text_layout: str | None = None) -> PendingKV:
     """Starts moving K and V for :func:`finish_kv_gather`, before the queries exist.
@@ -80,9 +68,10 @@ def start_kv_gather(key: torch.Tensor, value: torch.Tensor, sizes: list[int], gr
         text_layout: ``"prefix"`` (text first) or ``"suffix"`` (text last); ignored when T = 0.
 
     Returns:
-        A :class:`PendingKV`. Work enqueued on the current stream before :func:`finish_kv_gather`
-        (for Wan, the query projection, QK-norm and RoPE) runs while K and V are in flight. With the
-        copy engines, no other copy-engine call may run on ``group`` in between.
+        A :class:`~diffusers_sp.processors.base.PendingKV`. Work enqueued on the current stream
+        before :func:`finish_kv_gather` (for Wan, the query projection, QK-norm and RoPE) runs while
+        K and V are in flight. With the copy engines, no other copy-engine call may run on ``group``
+        in between.
     """
     txt_k, img_k = split_text_image(key, text_len, text_layout)
     txt_v, img_v = split_text_image(value, text_len, text_layout)
@@ -257,8 +246,7 @@ class KVGatherAttnProcessor(SequenceParallelAttnProcessor):
     See :func:`kv_gather_attention` (NCCL) and :func:`kv_gather_attention_copy_engine` (copy
     engines) for the algorithm. With a family's ``kv_first`` hook (Wan), K and V are started by
     :func:`start_kv_gather` before the query projection runs, which then overlaps their transfer.
-    See
-    :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments.
+    See :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments.
     """
 
     strategy = "kv_gather"

@@ -16,22 +16,31 @@ ranks.
 Two transports: NCCL's all-to-all (:func:`ulysses_attention`, any backend, gloo included) and, on
 CUDA ranks of one host without joint text, the copy engines through symmetric memory, pipelined over
 head groups so that both all-to-alls overlap the attention (:func:`ulysses_attention_copy_engine`,
-:mod:`diffusers_sp.copy_engine`). Both give the same bits.
+:mod:`diffusers_sp.copy_engine`). Both give the same bits. Either can start with K and V alone
+(:func:`start_ulysses`, :func:`finish_ulysses`), which the K/V-first family hooks (Wan) use so that
+K and V travel while the query projection runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..comm import all_to_all_flat
+from ..comm import all_to_all_flat, start_all_to_all_flat
 from ..copy_engine import barrier_timeout_ms, copy_or_fallback, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
 from ..sharding import balanced_sizes
-from .base import SequenceParallelAttnProcessor, join_text_image, split_text_image
+from .base import PendingKV, SequenceParallelAttnProcessor, join_text_image, split_text_image
 
 
 def scatter_heads(tensors: list[torch.Tensor], sizes: list[int], group) -> list[torch.Tensor]:
-    """Ulysses' first all-to-all: from token shards of all heads to all tokens of this rank's heads.
+    """Ulysses' first all-to-all; see :func:`start_scatter_heads` (which this calls and waits for)."""
+    return start_scatter_heads(tensors, sizes, group)()
+
+
+def start_scatter_heads(tensors: list[torch.Tensor], sizes: list[int], group):
+    """Ulysses' first all-to-all, from token shards of all heads to all tokens of this rank's heads:
+    issues it and returns a function that waits for it and returns its result (work queued on the
+    current stream in between runs while it is in flight).
 
     Args:
         tensors: n tensors ``[B, H, S_r, D]`` (this rank's token shard, ``S_r = sizes[rank]``), same
@@ -41,8 +50,8 @@ def scatter_heads(tensors: list[torch.Tensor], sizes: list[int], group) -> list[
             (the first ``H mod P`` ranks one head more).
 
     Returns:
-        n tensors ``[B, h_r, S, D]``: this rank's heads over the full sequence, strided views of one
-        token-major ``[S, n, B, h_r, D]`` buffer.
+        A function returning n tensors ``[B, h_r, S, D]``: this rank's heads over the full sequence,
+        strided views of one token-major ``[S, n, B, h_r, D]`` buffer.
 
     Layout: the chunk for rank j is ``[S_r, n, B, h_j, D]`` (tokens outermost), written once from the
     inputs. The chunks a rank receives, in rank order, are then already the full sequence
@@ -65,9 +74,13 @@ def scatter_heads(tensors: list[torch.Tensor], sizes: list[int], group) -> list[
         for i, t in enumerate(tensors):
             chunk[:, i].copy_(t[:, start:start + h].permute(2, 0, 1, 3))
         start += h
-    recv = all_to_all_flat(send, send_sizes, [s * unit * h_r for s in sizes], group)
-    full = recv.view(sum(sizes), n, B, h_r, D)  # chunks of ranks 0..P-1 = tokens in order
-    return [full[:, i].permute(1, 2, 0, 3) for i in range(n)]
+    finish = start_all_to_all_flat(send, send_sizes, [s * unit * h_r for s in sizes], group)
+
+    def views() -> list[torch.Tensor]:
+        full = finish().view(sum(sizes), n, B, h_r, D)  # chunks of ranks 0..P-1 = tokens in order
+        return [full[:, i].permute(1, 2, 0, 3) for i in range(n)]
+
+    return views
 
 
 def gather_heads(out: torch.Tensor, sizes: list[int], group, *, num_heads: int,
@@ -131,22 +144,31 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     output (this rank's heads of every rank's image rows, plus its heads of the T text rows for every
     rank) in a second (:func:`gather_heads`).
     """
-    P, r = group.world_size, group.rank
-    H = query.shape[1]
-    if P == 1:
+    if group.world_size == 1:
         return local_attention(query, key, value, attn_mask=key_mask, scale=scale, kernel=kernel)
-    T, S_r = text_len, sizes[r]
-    heads = balanced_sizes(H, P)
-    h_r, h0 = heads[r], sum(heads[:r])
-    parts = [split_text_image(t, T, text_layout) for t in (query, key, value)]
+    parts = [split_text_image(t, text_len, text_layout) for t in (query, key, value)]
     full = scatter_heads([img for _, img in parts], sizes, group)
-    q, k, v = (join_text_image(txt[:, h0:h0 + h_r], img, text_layout) for (txt, _), img in zip(parts, full))
+    return _attend_head_shard([txt for txt, _ in parts], full, sizes, group, query.shape[1], scale=scale,
+                              kernel=kernel, text_len=text_len, text_layout=text_layout, key_mask=key_mask)
+
+
+def _attend_head_shard(texts, full, sizes, group, num_heads, *, scale, kernel, text_len, text_layout, key_mask):
+    """Ulysses after the first all-to-all: attention of this rank's heads, then :func:`gather_heads`.
+
+    ``texts``: the replicated text parts of Q, K, V (``[B, H, T, D]``, all heads); ``full``: this
+    rank's heads of Q, K, V over all image tokens (``[B, h_r, S, D]``). Returns ``[B, H, T + S_r, D]``.
+    """
+    r = group.rank
+    T, S_r = text_len, sizes[r]
+    heads = balanced_sizes(num_heads, group.world_size)
+    h_r, h0 = heads[r], sum(heads[:r])
+    q, k, v = (join_text_image(txt[:, h0:h0 + h_r], img, text_layout) for txt, img in zip(texts, full))
     mask = key_mask
     if mask is not None and mask.shape[1] > 1:
         mask = mask[:, h0:h0 + h_r]
     out = local_attention(q, k, v, attn_mask=mask, scale=scale, kernel=kernel)  # [B, h_r, T + S, D]
     out_txt, out_img = split_text_image(out, T, text_layout)
-    joined = gather_heads(out_img, sizes, group, num_heads=H, text=out_txt if T else None)
+    joined = gather_heads(out_img, sizes, group, num_heads=num_heads, text=out_txt if T else None)
     result = join_text_image(joined[S_r:], joined[:S_r], text_layout, dim=0)  # image rows, then text rows
     return result.permute(1, 2, 0, 3)  # [B, H, T + S_r, D]
 
@@ -198,96 +220,190 @@ def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value:
     3. a closing barrier (all output rows have arrived), which the compute stream waits for, as for
        the second stream.
     """
-    P, r = group.world_size, group.rank
-    B, H, S_r, D = query.shape
-    S = sum(sizes)
-    offsets = [sum(sizes[:i]) for i in range(P)]
-    heads = balanced_sizes(H, P)
-    head_starts = [sum(heads[:p]) for p in range(P)]
-    G = len(head_group_sizes(min(heads), head_groups))
-    groups = [balanced_sizes(h, G) for h in heads]  # groups[p][g]: heads of rank p's group g
-    dtype, device = query.dtype, query.device
-    unit = B * D
+    run = _UlyssesCopyEngine(query, sizes, group, head_groups)
+    run.push({0: query, 1: key, 2: value}, arrive=True)
+    return run.attend(scale=scale, kernel=kernel, key_mask=key_mask)
 
-    # Element offsets in a rank's buffer; peers write into it, so they are functions of the owner
-    # that every rank computes alike.
-    def recv_offset(owner: int, i: int, g: int) -> int:
-        return S * unit * (i * heads[owner] + sum(groups[owner][:g]))
 
-    out_size = max(sizes) * unit * H
-    out_base = 3 * S * unit * max(heads)
-    nbytes = (out_base + 2 * out_size) * query.element_size()  # the same on every rank
-    ws = workspace(group, nbytes, device)
-    flat = ws.buffer[:nbytes].view(dtype)
-    parity = ws.calls % 2
-    ws.calls += 1
+class _UlyssesCopyEngine:
+    """One :func:`ulysses_attention_copy_engine` call: the buffer layout and streams of its steps.
 
-    def recv(i: int, g: int) -> torch.Tensor:  # this rank's gathered rows of its group g
-        start = recv_offset(r, i, g)
-        return flat[start:start + S * unit * groups[r][g]].view(S, B, groups[r][g], D)
+    :meth:`push` enqueues step 1 for some of Q (0), K (1), V (2), pushing group by group; with
+    ``arrive`` each group ends in its barrier and events. :func:`ulysses_attention_copy_engine`
+    pushes all three at once; the K/V-first path (:func:`start_ulysses`) pushes K and V (every
+    group, no barrier) before the query exists, then Q with the barriers, so K and V travel under
+    the query projection. :meth:`attend` is steps 2 and 3.
+    """
 
-    def peer_recv(p: int, i: int, g: int) -> torch.Tensor:
-        return ws.handle.get_buffer(p, (S, B, groups[p][g], D), dtype, recv_offset(p, i, g))
+    def __init__(self, like: torch.Tensor, sizes: list[int], group, head_groups):
+        P, r = group.world_size, group.rank
+        B, H, S_r, D = like.shape
+        S = sum(sizes)
+        self.sizes, self.r, self.B, self.H, self.S_r, self.D = sizes, r, B, H, S_r, D
+        self.offsets = [sum(sizes[:i]) for i in range(P)]
+        heads = balanced_sizes(H, P)
+        self.head_starts = [sum(heads[:p]) for p in range(P)]
+        self.G = len(head_group_sizes(min(heads), head_groups))
+        self.groups = [balanced_sizes(h, self.G) for h in heads]  # groups[p][g]: heads of rank p's group g
+        self.dtype, self.device = like.dtype, like.device
+        unit = B * D
+        # Element offsets in a rank's buffer; peers write into it, so they are functions of the owner
+        # that every rank computes alike.
+        self.recv_offset = lambda owner, i, g: S * unit * (i * heads[owner] + sum(self.groups[owner][:g]))
+        out_size = max(sizes) * unit * H
+        self.out_base = 3 * S * unit * max(heads)
+        nbytes = (self.out_base + 2 * out_size) * like.element_size()  # the same on every rank
+        self.ws = ws = workspace(group, nbytes, self.device)
+        self.flat = ws.buffer[:nbytes].view(self.dtype)
+        self.parity = ws.calls % 2
+        ws.calls += 1
+        self.out_offset = self.out_base + self.parity * out_size
+        self.S = S
+        self.compute, self.side, self.local = torch.cuda.current_stream(self.device), ws.stream, ws.local
+        self.peers = [(r + step) % P for step in range(1, P)]
+        self.timeout = barrier_timeout_ms()
+        self.opened = False
 
-    def peer_out(p: int) -> torch.Tensor:  # [B, S_p, H, D]
-        return ws.handle.get_buffer(p, (B, sizes[p], H, D), dtype, out_base + parity * out_size)
+    def recv(self, i: int, g: int) -> torch.Tensor:  # this rank's gathered rows of its group g
+        start, n = self.recv_offset(self.r, i, g), self.groups[self.r][g]
+        return self.flat[start:start + self.S * self.B * n * self.D].view(self.S, self.B, n, self.D)
 
-    compute, side, local = torch.cuda.current_stream(device), ws.stream, ws.local
-    inputs = [t.permute(2, 0, 1, 3) for t in (query, key, value)]  # [S_r, B, H, D] views
-    lo, hi = offsets[r], offsets[r] + S_r
-    peers = [(r + step) % P for step in range(1, P)]
-    timeout = barrier_timeout_ms()
-    for stream in (side, local):
-        stream.wait_stream(compute)
-        for t in (query, key, value):
-            t.record_stream(stream)
-    with torch.cuda.stream(side):
-        ws.handle.barrier(channel=0, timeout_ms=timeout)
-        for g in range(G):
-            for p in peers:
-                h0 = head_starts[p] + sum(groups[p][:g])
-                for i, rows in enumerate(inputs):
-                    copy_or_fallback(peer_recv(p, i, g)[lo:hi], rows[:, :, h0:h0 + groups[p][g]])
-            ws.handle.barrier(channel=0, timeout_ms=timeout)
-            ws.event(g).record(side)
-    with torch.cuda.stream(local):  # own rows of own heads, on a copy engine beside the pushes
-        h0 = head_starts[r]
-        for g in range(G):
-            for i, rows in enumerate(inputs):
-                copy_or_fallback(recv(i, g)[lo:hi], rows[:, :, h0:h0 + groups[r][g]])
-            ws.event(G + g).record(local)
-            h0 += groups[r][g]
-
-    out = flat[out_base + parity * out_size:][:B * S_r * H * D].view(B, S_r, H, D)
-    per_head_mask = key_mask is not None and key_mask.shape[1] > 1
-    h0 = head_starts[r]
-    for g in range(G):
-        n = groups[r][g]
-        compute.wait_event(ws.event(g))
-        compute.wait_event(ws.event(G + g))
-        q, k, v = (recv(i, g).permute(1, 2, 0, 3) for i in range(3))  # [B, n, S, D]
-        mask = key_mask[:, h0:h0 + n] if per_head_mask else key_mask
-        o = local_attention(q, k, v, attn_mask=mask, scale=scale, kernel=kernel)  # [B, n, S, D]
-        rows = o.permute(0, 2, 1, 3)  # [B, S, n, D]
-        done = ws.event(2 * G + g)
-        done.record(compute)
+    def push(self, tensors: dict[int, torch.Tensor], *, arrive: bool) -> None:
+        """Step 1 for ``tensors`` (``{0: Q, 1: K, 2: V}`` or a part, ``[B, H, S_r, D]``)."""
+        if torch.cuda.current_stream(self.device) != self.compute:
+            raise RuntimeError("a copy-engine Ulysses call must run on one stream from start to end")
+        ws, side, local, r = self.ws, self.side, self.local, self.r
+        lo, hi = self.offsets[r], self.offsets[r] + self.S_r
         for stream in (side, local):
-            o.record_stream(stream)
-        with torch.cuda.stream(local):
-            local.wait_event(done)
-            copy_or_fallback(out[:, :, h0:h0 + n], rows[:, lo:hi])
+            stream.wait_stream(self.compute)
+            for t in tensors.values():
+                t.record_stream(stream)
+        inputs = {i: t.permute(2, 0, 1, 3) for i, t in tensors.items()}  # [S_r, B, H, D] views
         with torch.cuda.stream(side):
-            side.wait_event(done)
-            for p in peers:
-                if sizes[p]:
-                    copy_or_fallback(peer_out(p)[:, :, h0:h0 + n], rows[:, offsets[p]:offsets[p] + sizes[p]])
-        h0 += n
-    with torch.cuda.stream(side):
-        ws.handle.barrier(channel=0, timeout_ms=timeout)
-        ws.free.record(side)
-    compute.wait_event(ws.free)
-    compute.wait_stream(local)
-    return out.permute(0, 2, 1, 3)
+            if not self.opened:
+                ws.handle.barrier(channel=0, timeout_ms=self.timeout)
+                self.opened = True
+            for g in range(self.G):
+                for p in self.peers:
+                    n = self.groups[p][g]
+                    h0 = self.head_starts[p] + sum(self.groups[p][:g])
+                    for i, rows in inputs.items():
+                        remote = ws.handle.get_buffer(p, (self.S, self.B, n, self.D), self.dtype,
+                                                      self.recv_offset(p, i, g))
+                        copy_or_fallback(remote[lo:hi], rows[:, :, h0:h0 + n])
+                if arrive:
+                    ws.handle.barrier(channel=0, timeout_ms=self.timeout)
+                    ws.event(g).record(side)
+        with torch.cuda.stream(local):  # own rows of own heads, on a copy engine beside the pushes
+            h0 = self.head_starts[r]
+            for g in range(self.G):
+                for i, rows in inputs.items():
+                    copy_or_fallback(self.recv(i, g)[lo:hi], rows[:, :, h0:h0 + self.groups[r][g]])
+                if arrive:
+                    ws.event(self.G + g).record(local)
+                h0 += self.groups[r][g]
+
+    def attend(self, *, scale, kernel, key_mask) -> torch.Tensor:
+        """Steps 2 and 3, after a :meth:`push` with ``arrive``; returns ``[B, H, S_r, D]``."""
+        ws, side, local, compute = self.ws, self.side, self.local, self.compute
+        B, H, S_r, D, r = self.B, self.H, self.S_r, self.D, self.r
+        lo, hi = self.offsets[r], self.offsets[r] + S_r
+        out = self.flat[self.out_offset:][:B * S_r * H * D].view(B, S_r, H, D)
+        per_head_mask = key_mask is not None and key_mask.shape[1] > 1
+        h0 = self.head_starts[r]
+        for g in range(self.G):
+            n = self.groups[r][g]
+            compute.wait_event(ws.event(g))
+            compute.wait_event(ws.event(self.G + g))
+            q, k, v = (self.recv(i, g).permute(1, 2, 0, 3) for i in range(3))  # [B, n, S, D]
+            mask = key_mask[:, h0:h0 + n] if per_head_mask else key_mask
+            o = local_attention(q, k, v, attn_mask=mask, scale=scale, kernel=kernel)  # [B, n, S, D]
+            rows = o.permute(0, 2, 1, 3)  # [B, S, n, D]
+            done = ws.event(2 * self.G + g)
+            done.record(compute)
+            for stream in (side, local):
+                o.record_stream(stream)
+            with torch.cuda.stream(local):
+                local.wait_event(done)
+                copy_or_fallback(out[:, :, h0:h0 + n], rows[:, lo:hi])
+            with torch.cuda.stream(side):
+                side.wait_event(done)
+                for p in self.peers:
+                    if self.sizes[p]:
+                        peer_out = ws.handle.get_buffer(p, (B, self.sizes[p], H, D), self.dtype, self.out_offset)
+                        start = self.offsets[p]
+                        copy_or_fallback(peer_out[:, :, h0:h0 + n], rows[:, start:start + self.sizes[p]])
+            h0 += n
+        with torch.cuda.stream(side):
+            ws.handle.barrier(channel=0, timeout_ms=self.timeout)
+            ws.free.record(side)
+        compute.wait_event(ws.free)
+        compute.wait_stream(local)
+        return out.permute(0, 2, 1, 3)
+
+
+def start_ulysses(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group, *, copy_engine: bool = False,
+                  head_groups: int | str = "auto", text_len: int = 0, text_layout: str | None = None) -> PendingKV:
+    """Starts Ulysses' K/V all-to-all before the queries exist; :func:`finish_ulysses` completes the call.
+
+    Args:
+        key, value: ``[B, H, T + S_r, D]`` as in :func:`ulysses_attention`.
+        sizes, group: As in :func:`ulysses_attention`.
+        copy_engine: Move them by the copy engines (:func:`ulysses_attention_copy_engine`; CUDA
+            tensors on an NCCL group of one host; ``text_len`` must be 0).
+        head_groups: G of the copy-engine pipeline.
+        text_len, text_layout: As in :func:`ulysses_attention`.
+
+    Returns:
+        A :class:`~diffusers_sp.processors.base.PendingKV`. Work enqueued on the current stream
+        before :func:`finish_ulysses` (the query projection, QK-norm and RoPE) runs while K and V
+        travel; the queries then take a second all-to-all of their own (NCCL) or are pushed group by
+        group (copy engines). Same result as :func:`ulysses_attention`.
+
+    Raises:
+        ValueError: ``copy_engine`` with joint text (``text_len > 0``).
+    """
+    P = group.world_size
+    if P == 1:
+        return PendingKV(lambda query, *, scale=None, kernel="auto", key_mask=None: local_attention(
+            query, key, value, attn_mask=key_mask, scale=scale, kernel=kernel))
+    if copy_engine:
+        if text_len:
+            raise ValueError("the copy-engine Ulysses transport does not take joint text tokens")
+        run = _UlyssesCopyEngine(key, sizes, group, head_groups)
+        run.push({1: key, 2: value}, arrive=False)
+
+        def finish(query, *, scale=None, kernel="auto", key_mask=None):
+            run.push({0: query}, arrive=True)
+            return run.attend(scale=scale, kernel=kernel, key_mask=key_mask)
+
+        return PendingKV(finish)
+    (txt_k, img_k), (txt_v, img_v) = (split_text_image(t, text_len, text_layout) for t in (key, value))
+    kv = start_scatter_heads([img_k, img_v], sizes, group)
+
+    def finish(query, *, scale=None, kernel="auto", key_mask=None):
+        txt_q, img_q = split_text_image(query, text_len, text_layout)
+        (full_q,) = scatter_heads([img_q], sizes, group)
+        full_k, full_v = kv()
+        return _attend_head_shard((txt_q, txt_k, txt_v), (full_q, full_k, full_v), sizes, group, query.shape[1],
+                                  scale=scale, kernel=kernel, text_len=text_len, text_layout=text_layout,
+                                  key_mask=key_mask)
+
+    return PendingKV(finish)
+
+
+def finish_ulysses(pending: PendingKV, query: torch.Tensor, *, scale: float | None = None, kernel: str = "auto",
+                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Completes a :func:`start_ulysses` call with the queries ``[B, H, T + S_r, D]``.
+
+    Returns:
+        ``[B, H, T + S_r, D]``, as :func:`ulysses_attention` (with the copy engines, the view
+        described in :func:`ulysses_attention_copy_engine`).
+
+    Raises:
+        RuntimeError: ``pending`` was already consumed.
+    """
+    return pending.finish(query, scale=scale, kernel=kernel, key_mask=key_mask)
 
 
 class UlyssesAttnProcessor(SequenceParallelAttnProcessor):
@@ -298,9 +414,19 @@ class UlyssesAttnProcessor(SequenceParallelAttnProcessor):
     :func:`ulysses_attention` for the algorithm, and
     :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments. With
     ``transport="copy_engine"``, calls without joint text run :func:`ulysses_attention_copy_engine`.
+    With a family's ``kv_first`` hook (Wan), K and V are started by :func:`start_ulysses` before
+    the query projection runs, which then overlaps their transfer.
     """
 
     strategy = "ulysses"
+    supports_kv_first = True
+
+    def start_attention(self, key, value, sizes, *, text_len=0, text_layout=None):
+        return start_ulysses(key, value, sizes, self.state.group, copy_engine=text_len == 0 and self.use_copy_engine(key),
+                             head_groups=self.head_groups, text_len=text_len, text_layout=text_layout)
+
+    def finish_attention(self, pending, query, *, scale=None):
+        return finish_ulysses(pending, query, scale=scale, kernel=self.kernel)
 
     def parallel_attention(self, query, key, value, sizes, *, scale, text_len=0, text_layout=None, key_mask=None):
         if text_len == 0 and self.use_copy_engine(query):
