@@ -35,10 +35,11 @@ from profile_step import kernel_ms  # noqa: E402
 
 
 def _no_transfer_gather(key, value, sizes, group):
-    """Stand-in for ``gather_kv``: the full-length K/V built from this rank's shard, no collective."""
+    """Stand-in for ``start_gather_kv`` (which ``gather_kv`` and the K/V-first path both call): the
+    full-length K/V built from this rank's shard, no collective."""
     reps = -(-sum(sizes) // key.shape[2])
     full = [torch.cat([t] * reps, dim=2)[:, :, :sum(sizes)] for t in (key, value)]
-    return full[0], full[1]
+    return lambda: (full[0], full[1])
 
 
 def host_ms(fn, repeats: int = 3) -> float:
@@ -120,8 +121,8 @@ def main(argv=None):
         stock_kernels = kernel_ms(step)
         stock_busy = sum(stock_kernels.values())
 
-        original = kv_gather.gather_kv
-        kv_gather.gather_kv = _no_transfer_gather
+        original = kv_gather.start_gather_kv
+        kv_gather.start_gather_kv = _no_transfer_gather
         try:
             handle = enable_sequence_parallel(model, mode="kv_gather", sp_transport="nccl")
             ctx.barrier()
@@ -144,7 +145,7 @@ def main(argv=None):
                                    excess=sorted(excess.items(), key=lambda kv: -kv[1])[:20]))
             handle.disable()
         finally:
-            kv_gather.gather_kv = original
+            kv_gather.start_gather_kv = original
         for label, opts in (("ours kv_gather nccl", {"sp_transport": "nccl"}),
                             ("ours kv_gather copy engine G=1", {"overlap_head_groups": 1}),
                             ("ours kv_gather copy engine G=4", {"overlap_head_groups": 4})):
