@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -53,6 +54,8 @@ import torch
 
 from .groups import TIMEOUT_ENV, SPGroup
 from .sharding import balanced_sizes
+
+logger = logging.getLogger("diffusers_sp")
 
 #: Values of the ``sp_transport`` option.
 TRANSPORTS = ("auto", "nccl", "copy_engine")
@@ -243,8 +246,11 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> boo
     Raises:
         ValueError: shapes or dtypes differ, or a tensor is not a CUDA tensor.
         OSError: the CUDA driver library (``libcuda.so.1``) cannot be loaded.
-        RuntimeError: the driver refused a copy (its error string is in the message; pieces issued
-            before it stay issued).
+
+    A piece the driver refuses (NVIDIA documents that ``cuMemcpy2DAsync`` may reject pitches it
+    cannot handle) is copied with ``Tensor.copy_`` instead, in stream order, with a warning logged
+    once per error: raising there would leave this rank out of the copy-engine protocol while its
+    peers wait at the next barrier.
 
     The caller keeps both tensors alive (``record_stream``) until the current stream has run the copy.
     """
@@ -259,19 +265,33 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, max_copies: int = 64) -> boo
     if pieces is None:
         return False
     copy, error = _driver()
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    size = dst.element_size()
+    _issue(pieces, copy, error, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    return True
+
+
+_REFUSALS_LOGGED: set = set()
+
+
+def _issue(pieces, copy, error, stream) -> None:
+    """Issues the pitched 2-D copies of a :func:`_plan_copy` plan with the driver's ``copy``
+    (``cuMemcpy2DAsync``) on ``stream``; a piece it refuses (non-zero status) is copied with
+    ``Tensor.copy_`` on the current stream instead, and the refusal logged once per error code."""
     for d, s, (rows, width, dst_pitch, src_pitch) in pieces:
+        size = d.element_size()
         spec = _Memcpy2D(srcMemoryType=_CU_MEMORYTYPE_DEVICE, srcDevice=s.data_ptr(), srcPitch=src_pitch * size,
                          dstMemoryType=_CU_MEMORYTYPE_DEVICE, dstDevice=d.data_ptr(), dstPitch=dst_pitch * size,
                          WidthInBytes=width * size, Height=rows)
         status = copy(ctypes.byref(spec), stream)
         if status != 0:
-            text = ctypes.c_char_p()
-            error(status, ctypes.byref(text))
-            raise RuntimeError(f"cuMemcpy2DAsync failed with CUDA error {status}: "
-                               f"{(text.value or b'unknown').decode()} (rows={rows}, width={width * size} B)")
-    return True
+            if status not in _REFUSALS_LOGGED:
+                _REFUSALS_LOGGED.add(status)
+                text = ctypes.c_char_p()
+                error(status, ctypes.byref(text))
+                logger.warning("cuMemcpy2DAsync refused a copy with CUDA error %s (%s; rows=%d, width=%d B, "
+                               "pitches %d/%d B); copying it, and any other it refuses with this error, with "
+                               "Tensor.copy_", status, (text.value or b"unknown").decode(), rows, width * size,
+                               dst_pitch * size, src_pitch * size)
+            d.copy_(s)
 
 
 def copy_or_fallback(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -285,7 +305,6 @@ def copy_or_fallback(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     Raises:
         ValueError: shapes or dtypes differ, or a tensor is not on CUDA (see :func:`copy_rows`).
-        RuntimeError: the driver refused a copy.
     """
     if not copy_rows(dst, src):
         dst.copy_(src)

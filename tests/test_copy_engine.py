@@ -90,3 +90,36 @@ def test_copies_that_must_not_be_byte_copies_are_refused():
     assert _plan_copy(torch.empty(2, 3, D), x, 64) is not None
     # A strided last dim would mean rows of one element: left to an SM copy.
     assert _plan_copy(torch.empty(7, 3, D), numbered(7, 3, 2 * D)[:, :, ::2], 64) is None
+
+
+def test_refused_pieces_fall_back_to_tensor_copy(caplog):
+    """A piece the driver refuses is copied with Tensor.copy_ (raising would leave this rank out of the
+    copy-engine protocol while its peers wait at the next barrier), and the refusal is logged once."""
+    import ctypes
+    import logging
+
+    from diffusers_sp import copy_engine
+
+    srcs = [torch.arange(4 * 6 * 8, dtype=torch.float32).view(4, 6, 8) + 1000 * i for i in range(3)]
+    dsts = [torch.zeros(4, 3, 8) for _ in range(3)]
+    pieces = [p for d, s in zip(dsts, srcs) for p in _plan_copy(d, s[:, 2:5], 64)]
+    assert len(pieces) == 3
+    heights = []
+
+    def driver_copy(spec, stream):  # accepts the first piece (and, being fake, copies nothing), refuses the rest
+        heights.append(spec._obj.Height)
+        return 0 if len(heights) == 1 else 1
+
+    def driver_error(status, text):
+        ctypes.cast(text, ctypes.POINTER(ctypes.c_char_p))[0] = b"invalid argument"
+        return 0
+
+    copy_engine._REFUSALS_LOGGED.discard(1)
+    with caplog.at_level(logging.WARNING, logger="diffusers_sp"):
+        copy_engine._issue(pieces, driver_copy, driver_error, None)
+    assert heights == [4, 4, 4]
+    assert torch.equal(dsts[0], torch.zeros(4, 3, 8))  # issued to the "driver": not copied again
+    for d, s in zip(dsts[1:], srcs[1:]):
+        assert torch.equal(d, s[:, 2:5])
+    warnings = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(warnings) == 1 and "invalid argument" in warnings[0] and "error 1" in warnings[0]

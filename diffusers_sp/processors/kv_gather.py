@@ -146,9 +146,9 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
     :func:`start_kv_gather` allows).
 
     Raises:
-        RuntimeError: the CUDA driver refused a 2-D copy; or, surfacing at a later synchronization,
-            a symmetric-memory barrier timed out (a peer did not arrive within the group's collective
-            timeout, :func:`~diffusers_sp.copy_engine.barrier_timeout_ms`), which aborts the kernel.
+        RuntimeError: surfacing at a later synchronization, a symmetric-memory barrier timed out (a
+            peer did not arrive within the group's collective timeout,
+            :func:`~diffusers_sp.copy_engine.barrier_timeout_ms`), which aborts the kernel.
 
     Every rank pushes: its buffer, laid out ``[(K, V), group g: [S, B, h_g, D]]`` (rows of rank p at
     ``sum(sizes[:p])``), is written by itself and its peers. Per call:

@@ -198,9 +198,9 @@ def ulysses_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, value:
         but a call of other shapes or a K/V-gather call may overwrite it.
 
     Raises:
-        RuntimeError: the CUDA driver refused a 2-D copy; or, surfacing at a later synchronization,
-            a symmetric-memory barrier timed out (a peer did not arrive within the group's collective
-            timeout, :func:`~diffusers_sp.copy_engine.barrier_timeout_ms`), which aborts the kernel.
+        RuntimeError: surfacing at a later synchronization, a symmetric-memory barrier timed out (a
+            peer did not arrive within the group's collective timeout,
+            :func:`~diffusers_sp.copy_engine.barrier_timeout_ms`), which aborts the kernel.
 
     Every rank pushes: no packing copies. Its symmetric buffer holds, written by itself and its
     peers, the gathered Q/K/V of its own heads ``[(Q, K, V), group g: [S, B, h_rg, D]]`` and two
