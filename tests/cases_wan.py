@@ -169,6 +169,11 @@ def case_error_unknown_option():
     return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="auto", sparsity=0.5))
 
 
+def case_error_bad_overlap_query_projection():
+    return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="kv_gather",
+                                                     overlap_query_projection="yes"))
+
+
 def case_error_already_enabled():
     model = tiny_wan_transformer()
     handle = enable_sequence_parallel(model, mode="kv_gather")
