@@ -327,6 +327,14 @@ class _Workspace:
             self.events.append(torch.cuda.Event())
         return self.events[i]
 
+    def follow(self, compute: torch.cuda.Stream, tensors) -> None:
+        """Makes both copy streams wait for the work enqueued on ``compute`` so far, and keeps
+        ``tensors`` (which the copies read) alive until the copy streams have run what follows."""
+        for stream in (self.stream, self.local):
+            stream.wait_stream(compute)
+            for t in tensors:
+                t.record_stream(stream)
+
 
 _WORKSPACES: dict = {}  # (group name, device index) -> _Workspace
 

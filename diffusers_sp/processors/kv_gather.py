@@ -172,7 +172,7 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
 def _start_copy_engine(img_k, img_v, sizes, group, head_groups, txt_k, txt_v, text_layout):
     """Step 1 of :func:`kv_gather_attention_copy_engine`; returns its step 2 as a function of the query."""
     P, r = group.world_size, group.rank
-    S_r, B, H, D = img_k.shape[2], img_k.shape[0], img_k.shape[1], img_k.shape[3]
+    B, H, D = img_k.shape[0], img_k.shape[1], img_k.shape[3]
     heads = head_group_sizes(H, head_groups)
     G, S = len(heads), sum(sizes)
     offsets = [sum(sizes[:i]) for i in range(P)]
@@ -191,10 +191,7 @@ def _start_copy_engine(img_k, img_v, sizes, group, head_groups, txt_k, txt_v, te
     lo, hi = offsets[r], offsets[r] + sizes[r]
     timeout = barrier_timeout_ms()
     starts = [sum(heads[:g]) for g in range(G)]
-    for stream in (side, local):
-        stream.wait_stream(compute)
-        for t in inputs:
-            t.record_stream(stream)
+    ws.follow(compute, inputs)
     with torch.cuda.stream(side):
         ws.handle.barrier(channel=0, timeout_ms=timeout)
         for g in range(G):

@@ -274,10 +274,7 @@ class _UlyssesCopyEngine:
             raise RuntimeError("a copy-engine Ulysses call must run on one stream from start to end")
         ws, side, local, r = self.ws, self.side, self.local, self.r
         lo, hi = self.offsets[r], self.offsets[r] + self.S_r
-        for stream in (side, local):
-            stream.wait_stream(self.compute)
-            for t in tensors.values():
-                t.record_stream(stream)
+        ws.follow(self.compute, tensors.values())
         inputs = {i: t.permute(2, 0, 1, 3) for i, t in tensors.items()}  # [S_r, B, H, D] views
         with torch.cuda.stream(side):
             if not self.opened:
