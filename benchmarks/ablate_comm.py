@@ -7,8 +7,9 @@ Separates the three things between "half of one GPU" and the measured two-GPU st
 * ``stock, rank r alone``: the unsplit model on GPU r while the other GPU idles: how fast each GPU is;
 * ``stock, all ranks at once``: every GPU runs the unsplit model at the same time (shared host, power);
 * ``ours kv_gather, no transfer``: the K/V-gather step with the all-gather replaced by a local
-  concatenation of this rank's own K/V shard with itself (same shapes, no communication, no waiting
-  for the other rank; the output is wrong and not checked): the compute of a split step;
+  concatenation of this rank's own K/V shard with itself (same shapes, no K/V communication, no
+  waiting for the other rank inside the layers; the output is wrong and not checked; the final
+  output all-gather at ``proj_out`` still runs): the compute of a split step;
 * ``ours kv_gather`` with each transport: the real step.
 
     torchrun --nproc-per-node 2 benchmarks/ablate_comm.py --cases 1.3b

@@ -137,15 +137,19 @@ def read_traits(target) -> PipelineTraits:
     return PipelineTraits(name=type(target).__name__, family=family.name, is_video=family.is_video, models=models)
 
 
-def _check_same_on_all_ranks(group: SPGroup, fingerprint: tuple) -> None:
+def _check_same_on_all_ranks(group: SPGroup, fingerprint: dict) -> None:
+    """Raises on every rank alike unless all ranks pass the same ``{what: value}`` (one all-gather)."""
     if group.world_size == 1:
         return
     gathered = [None] * group.world_size
     dist.all_gather_object(gathered, fingerprint, group=group.group)
-    if any(g != gathered[0] for g in gathered):
+    differ = [k for k in fingerprint if any(g[k] != gathered[0][k] for g in gathered)]
+    if differ:
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {i} {g[k]!r}" for i, g in enumerate(gathered))
+                           for k in differ)
         raise SequenceParallelConfigError(
             "ranks disagree on the pipeline or mode to parallelize (every rank must load the same model "
-            f"and pass the same mode): {gathered}")
+            f"and pass the same mode and options): {detail}")
 
 
 def _sync_rng_states(group: SPGroup) -> None:
@@ -290,7 +294,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             ``overlap_head_groups``: ``"auto"`` (2) or a positive int, the head groups whose
             copy-engine transfers overlap the attention. ``overlap_query_projection``: ``True``
             (default) or ``False``: in both dense modes on families that provide it (Wan), K and V
-            are projected first and their transfer overlaps the query projection, QK-norm and RoPE. For ``mode="vsa"``: ``vsa_sparsity``
+            are projected first and their transfer overlaps the query projection, QK-norm and RoPE
+            (only the norm and RoPE with fused QKV projections). For ``mode="vsa"``: ``vsa_sparsity``
             (fraction of key tiles skipped, default 0.9),
             ``vsa_tile_size`` (default ``(4, 4, 4)`` latent patches, frames first), ``vsa_sp_mode``
             (``"auto"``, ``"ulysses"``, ``"kv_gather"``: the communication underneath) and
@@ -371,11 +376,12 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree)
         group = pgroups.sp
     transport = _resolve_transport(opts["sp_transport"], resolved, group, traits)
-    _check_same_on_all_ranks(group, (traits.fingerprint(), resolved, opts["attention_kernel"], transport, groups_opt,
-                                     opts["overlap_query_projection"],
-                                     None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"],
-                                                               opts["vsa_gate_weights"] is not None),
-                                     layout.num_replicas, layout.cfg_degree, bool(parallel_vae)))
+    _check_same_on_all_ranks(group, {
+        "model": traits.fingerprint(), "mode": resolved, "attention_kernel": opts["attention_kernel"],
+        "sp_transport": transport, "overlap_head_groups": groups_opt,
+        "overlap_query_projection": opts["overlap_query_projection"],
+        "vsa": None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"], opts["vsa_gate_weights"] is not None),
+        "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "parallel_vae": bool(parallel_vae)})
 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
                                     group=group, target=target, sp_mode=vsa["sp_mode"] if vsa else resolved,

@@ -98,3 +98,4 @@ def test_head_groups_must_agree_across_ranks(results):
     msgs = values(res, "error_head_groups_disagree")
     assert len(set(msgs)) == 1
     assert "ranks disagree" in msgs[0], msgs[0]
+    assert "overlap_head_groups: rank 0 " in msgs[0], msgs[0]  # names the option that differs

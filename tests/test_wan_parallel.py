@@ -136,3 +136,49 @@ def test_kv_first_matches_the_model_processor_bitwise(fused):
         out = model(**kwargs).sample
     assert len(starts) == len(model.blocks) and starts[0] == (1, 6, 3 * 3 * 4, 12)
     assert torch.equal(out, ref), (out - ref).abs().max()
+
+
+def test_kv_first_declines_what_it_does_not_cover():
+    """The K/V-first hook returns NotImplemented (so the model's processor runs) for an attention mask,
+    a processor subclass, a module with image-context projections (I2V's attn2) and one built as
+    cross-attention; and a subclassed processor installed on attn1 keeps running, with its own output."""
+    from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
+
+    from diffusers_sp import enable_sequence_parallel
+    from diffusers_sp.pipelines.wan import wan_self_attention_kv_first
+    from diffusers_sp.tiny_models import tiny_wan_transformer
+
+    def never(*args, **kwargs):
+        raise AssertionError("the hook must decline before starting any transfer")
+
+    model = tiny_wan_transformer(in_channels=36, image_dim=4, added_kv_proj_dim=72).eval()  # Wan 2.1 I2V
+    attn1 = model.blocks[0].attn1
+    x = torch.randn(1, 5, 72)
+    mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
+    assert wan_self_attention_kv_first(attn1.processor, attn1, (x,), dict(attention_mask=mask),
+                                       never, never) is NotImplemented
+
+    class Doubled(WanAttnProcessor):
+        def __call__(self, *args, **kwargs):
+            return 2 * super().__call__(*args, **kwargs)
+
+    assert wan_self_attention_kv_first(Doubled(), attn1, (x,), {}, never, never) is NotImplemented
+    attn2 = model.blocks[0].attn2
+    assert attn2.add_k_proj is not None
+    assert wan_self_attention_kv_first(attn2.processor, attn2, (x,), {}, never, never) is NotImplemented
+    cross = WanAttention(dim=72, heads=6, dim_head=12, cross_attention_dim_head=12)
+    assert cross.is_cross_attention
+    assert wan_self_attention_kv_first(cross.processor, cross, (x,), {}, never, never) is NotImplemented
+
+    g = torch.Generator().manual_seed(4)
+    kwargs = dict(hidden_states=torch.randn(1, 36, 3, 6, 8, generator=g), timestep=torch.tensor([300.0]),
+                  encoder_hidden_states=torch.randn(1, 512, 32, generator=g),
+                  encoder_hidden_states_image=torch.randn(1, 9, 4, generator=g))
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn1.set_processor(Doubled())
+        ref = model(**kwargs).sample
+        handle = enable_sequence_parallel(model, mode="kv_gather")
+        out = model(**kwargs).sample
+        handle.disable()
+    assert torch.equal(out, ref)

@@ -38,7 +38,7 @@ class FamilySpec:
         latent_grid: ``(model, args, kwargs) -> (T, H, W)``: the patchified latent grid of a forward
             call, in patches (video families; needed by VSA). ``None``: the grid cannot be read.
         self_attention_kv_first: ``None`` or the family's self-attention processor rewritten to make
-            K and V before Q, so that K/V-gather's transfer overlaps the query projection
+            K and V before Q, so that the K/V transfer of either dense mode overlaps the query's work
             (``overlap_query_projection``; see
             :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`, ``kv_first``).
     """

@@ -79,8 +79,9 @@ def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv
     only once all of it is done. This runs the same operations (projections, ``norm_k``/``norm_q``,
     RoPE, output projection: the model's own modules) in another order: K and V first, then
     ``start_kv``, then Q, whose projection, QK-norm and RoPE run on the GPU while K and V are in
-    flight ("overlapping the K/V all-gather with the query projection"). The output is bit-identical
-    to the model's processor (``tests/test_wan_parallel.py`` compares them).
+    flight ("overlapping the K/V all-gather with the query projection"; with fused QKV projections,
+    ``fuse_projections()``, the one GEMM makes Q too, and only Q's norm and RoPE overlap). The output
+    is bit-identical to the model's processor (``tests/test_wan_parallel.py`` compares them).
 
     Args:
         inner: The model's processor; anything but a plain ``WanAttnProcessor`` is declined.
@@ -91,11 +92,14 @@ def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv
         finish_kv: ``(started, query, scale=None) -> [B, H, S_r, D]``.
 
     Returns:
-        ``[B, S_r, C]``, the attention block's output; or ``NotImplemented`` for cross-attention,
-        image-context (I2V) projections or an attention mask, which the model's processor then runs.
+        ``[B, S_r, C]``, the attention block's output; or ``NotImplemented`` for another processor
+        class (a subclass included), cross-attention (encoder states given, or a module built as
+        cross-attention), image-context (I2V) projections or an attention mask, which the model's
+        processor then runs.
     """
     processor_cls, signature = _wan_processor_signature()
-    if type(inner) is not processor_cls or getattr(attn, "add_k_proj", None) is not None:
+    if (type(inner) is not processor_cls or getattr(attn, "add_k_proj", None) is not None
+            or getattr(attn, "is_cross_attention", False)):
         return NotImplemented
     call = signature.bind(inner, attn, *args, **kwargs).arguments
     if call.get("encoder_hidden_states") is not None or call.get("attention_mask") is not None:

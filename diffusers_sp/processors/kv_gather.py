@@ -142,7 +142,7 @@ def kv_gather_attention_copy_engine(query: torch.Tensor, key: torch.Tensor, valu
     one dtype on an NCCL group of one host (:func:`diffusers_sp.copy_engine.copy_engine_unavailable_reason`).
     ``head_groups`` (G, see :func:`head_group_sizes`): the attention runs as G calls over balanced
     head groups; the transfer of group g + 1 runs while group g attends, so about 1/G of the
-    transfer stays exposed (none when the query projection runs in between, as
+    transfer stays exposed (less when the query's projection, norm and RoPE run in between, as
     :func:`start_kv_gather` allows).
 
     Raises:

@@ -355,7 +355,8 @@ def start_ulysses(key: torch.Tensor, value: torch.Tensor, sizes: list[int], grou
         A :class:`~diffusers_sp.processors.base.PendingKV`. Work enqueued on the current stream
         before :func:`finish_ulysses` (the query projection, QK-norm and RoPE) runs while K and V
         travel; the queries then take a second all-to-all of their own (NCCL) or are pushed group by
-        group (copy engines). Same result as :func:`ulysses_attention`.
+        group (copy engines). Same result as :func:`ulysses_attention`. With the copy engines, no
+        other copy-engine call may run on ``group`` in between.
 
     Raises:
         ValueError: ``copy_engine`` with joint text (``text_len > 0``).
