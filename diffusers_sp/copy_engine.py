@@ -97,10 +97,10 @@ def copy_engine_unavailable_reason(group: SPGroup) -> str | None:
     """
     if group.world_size == 1:
         return "one rank: nothing to transfer"
+    if not torch.cuda.is_available():
+        return "CUDA is not available (CPU ranks use gloo; the copy engines need CUDA ranks on NCCL)"
     if group.backend is None or "nccl" not in group.backend:
         return f"the group's backend is {group.backend!r}, not NCCL (CUDA)"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
     c10d = getattr(torch._C, "_distributed_c10d", None)
     if getattr(c10d, "_SymmetricMemory", None) is None or importlib.util.find_spec(
             "torch.distributed._symmetric_memory") is None:

@@ -87,7 +87,8 @@ def test_copy_engine_transport_refused_on_gloo(results):
     per_rank = values(res, "error_copy_engine_on_gloo")
     assert len({v["error"] for v in per_rank}) == 1 and len({v["joint_text_error"] for v in per_rank}) == 1
     for rank, v in enumerate(per_rank):
-        assert "sp_transport='copy_engine' cannot run here" in v["error"] and "not NCCL" in v["error"], v["error"]
+        assert "sp_transport='copy_engine' cannot run here" in v["error"], v["error"]
+        assert "not NCCL" in v["error"] or "CUDA is not available" in v["error"], v["error"]
         assert "joint text" in v["joint_text_error"] and "mode='kv_gather'" in v["joint_text_error"], v
         assert v["auto"]["transport"] == "nccl"
         assert_close(v["auto"], f"P={P} rank {rank} kv_gather with sp_transport='auto' on gloo")

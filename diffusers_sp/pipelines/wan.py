@@ -9,13 +9,26 @@ shape ``[B, S]``) at the model input, gather the output projection.
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
 from . import FamilySpec
+
+# (WanAttnProcessor, the signature of its __call__): what the K/V-first hook mirrors and how it binds
+# the processor's arguments. Filled on first use, since importing Diffusers' Wan module costs seconds
+# (a plain global, not functools.lru_cache, which torch.compile warns about when tracing through it).
+_WAN_PROCESSOR: tuple = ()
+
+
+def _wan_processor() -> tuple:
+    global _WAN_PROCESSOR
+    if not _WAN_PROCESSOR:
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+        _WAN_PROCESSOR = (WanAttnProcessor, inspect.signature(WanAttnProcessor.__call__))
+    return _WAN_PROCESSOR
 
 # The plan Diffusers 0.42 ships as WanTransformer3DModel._cp_plan; used when a model lacks one.
 _WAN_PLAN = {
@@ -49,13 +62,6 @@ def wan_latent_grid(model, args, kwargs) -> tuple[int, int, int]:
 def wan_attention_modules(model) -> list:
     """``blocks.{i}.attn1`` (video self-attention) of every block."""
     return [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(model.blocks)]
-
-
-@functools.lru_cache(maxsize=None)
-def _wan_processor_signature():
-    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-
-    return WanAttnProcessor, inspect.signature(WanAttnProcessor.__call__)
 
 
 def _wan_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -97,7 +103,7 @@ def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv
         cross-attention), image-context (I2V) projections or an attention mask, which the model's
         processor then runs.
     """
-    processor_cls, signature = _wan_processor_signature()
+    processor_cls, signature = _wan_processor()
     if (type(inner) is not processor_cls or getattr(attn, "add_k_proj", None) is not None
             or getattr(attn, "is_cross_attention", False)):
         return NotImplemented
