@@ -251,13 +251,12 @@ class _UlyssesCopyEngine:
         # that every rank computes alike.
         self.recv_offset = lambda owner, i, g: S * unit * (i * heads[owner] + sum(self.groups[owner][:g]))
         out_size = max(sizes) * unit * H
-        self.out_base = 3 * S * unit * max(heads)
-        nbytes = (self.out_base + 2 * out_size) * like.element_size()  # the same on every rank
+        out_base = 3 * S * unit * max(heads)
+        nbytes = (out_base + 2 * out_size) * like.element_size()  # the same on every rank
         self.ws = ws = workspace(group, nbytes, self.device)
         self.flat = ws.buffer[:nbytes].view(self.dtype)
-        self.parity = ws.calls % 2
+        self.out_offset = out_base + (ws.calls % 2) * out_size  # the two output regions alternate
         ws.calls += 1
-        self.out_offset = self.out_base + self.parity * out_size
         self.S = S
         self.compute, self.side, self.local = torch.cuda.current_stream(self.device), ws.stream, ws.local
         self.peers = [(r + step) % P for step in range(1, P)]
