@@ -9,8 +9,15 @@ add up to more than the step; the ``step`` column is the step's wall time (CUDA 
 
     torchrun --nproc-per-node 2 benchmarks/profile_step.py --cases 1.3b --modes kv_gather,ulysses
 
-Rows: ``stock`` (rank 0 alone) and ``ours <mode>`` (all ranks). The top kernels of every row are
-printed too. Results go to stdout and ``--json``.
+Rows: ``stock`` (rank 0 alone; with ``--stock-all-ranks`` every GPU runs it at the same time),
+``ours <mode>`` (all ranks) and ``ours <label>`` for each ``--variants`` entry (a JSON object
+``{"label": [mode, {options}]}``, as in ``bench_transformer.py``). The top kernels of every row are
+printed too. Rows that all ranks ran also print every rank's categories (``rank 0 / rank 1 / ...``),
+which shows how far the GPUs' paces differ. Results go to stdout and ``--json``.
+
+    torchrun --nproc-per-node 2 benchmarks/profile_step.py --cases 1.3b,14b --modes ulysses,kv_gather \
+        --stock-all-ranks --no-top --variants '{"ulysses nccl": ["ulysses", {"sp_transport": "nccl"}],
+        "kv_gather nccl": ["kv_gather", {"sp_transport": "nccl"}]}'
 """
 
 from __future__ import annotations
@@ -83,6 +90,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--no-top", action="store_true", help="do not print the top kernels")
+    p.add_argument("--variants", default="{}", help='JSON {"label": [mode, {options}]}: more rows of ours')
+    p.add_argument("--stock-all-ranks", action="store_true", help="stock row on every GPU at once")
     args = p.parse_args(argv)
     args.device, args.quick, args.timeout, args.warmup, args.repeats = "cuda", False, 600.0, 2, 3
     ctx = bt.Ctx(args)
@@ -92,33 +101,45 @@ def main(argv=None):
         case = cases[case_name]
         model = bt.build_model(ctx, case)
         inputs = bt.build_inputs(ctx, case)
-        rows = [] if args.no_stock else [("stock", None)]
-        rows += [(f"ours {m}", m) for m in args.modes.split(",") if m]
-        for label, mode in rows:
+        rows = [] if args.no_stock else [("stock" + (", all ranks at once" if args.stock_all_ranks else ""), None, {})]
+        rows += [(f"ours {m}", m, json.loads(args.vsa_options) if m == "vsa" else {})
+                 for m in args.modes.split(",") if m]
+        rows += [(f"ours {label}", mode, opts) for label, (mode, opts) in json.loads(args.variants).items()]
+        for label, mode, opts in rows:
             handle = None
+            everyone = mode is not None or args.stock_all_ranks
             if mode is not None:
                 from diffusers_sp import enable_sequence_parallel
-                opts = json.loads(args.vsa_options) if mode == "vsa" else {}
                 handle = enable_sequence_parallel(model, mode=mode, **opts)
-            elif not ctx.is0:
+            elif not everyone and not ctx.is0:
                 ctx.barrier()
                 continue
 
             def step():
                 return bt._step(model, inputs)
 
+            if mode is None and everyone:
+                ctx.barrier()
             ms, _, _ = bt.time_steps(ctx, step, collective=mode is not None)
             cats, top = profile_one(ctx, step, args.steps)
             if handle is not None:
                 handle.disable()
-            else:
+            elif not everyone:
                 ctx.barrier()
+            names = ("attention", "gemm", "nccl", "copy", "other")
+            per_rank = {k: ctx.gather_floats(cats.get(k, 0.0)) for k in names} if everyone else None
+            step_per_rank = ctx.gather_floats(ms) if everyone else [ms]
             if ctx.is0:
-                report.append(dict(case=case_name, row=label, ranks=1 if mode is None else ctx.world, step_ms=ms,
-                                   categories=cats, top=top))
-                cat_text = "  ".join(f"{k} {cats.get(k, 0.0):7.1f}" for k in
-                                     ("attention", "gemm", "nccl", "copy", "other"))
-                print(f"{case_name:5s} {label:28s} step {ms:7.1f} ms | kernel ms/step: {cat_text}", flush=True)
+                report.append(dict(case=case_name, row=label, ranks=ctx.world if everyone else 1, step_ms=ms,
+                                   step_ms_per_rank=step_per_rank, categories=cats, categories_per_rank=per_rank,
+                                   top=top))
+                if per_rank is None:
+                    cat_text = "  ".join(f"{k} {cats.get(k, 0.0):7.1f}" for k in names)
+                    step_text = f"{ms:7.1f}"
+                else:
+                    cat_text = "  ".join(f"{k} " + " / ".join(f"{v:.1f}" for v in per_rank[k]) for k in names)
+                    step_text = " / ".join(f"{v:.1f}" for v in step_per_rank)
+                print(f"{case_name:5s} {label:28s} step {step_text} ms | kernel ms/step: {cat_text}", flush=True)
                 for name, kms in ([] if args.no_top else top):
                     print(f"      {kms:7.2f}  {name}")
         del model, inputs
