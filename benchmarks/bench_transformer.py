@@ -23,6 +23,10 @@ Rows per case:
 * ``stock (native|cudnn|flash)``: the unmodified model alone on rank 0's GPU (the other ranks wait),
   with Diffusers' default attention backend, then forced to cuDNN / flash SDPA. ``stock (native)``
   is the reference for the speedup and the relative error (float32, ||out - ref|| / ||ref||).
+* ``stock (native), every GPU at once`` (more than one rank): the unmodified model on every GPU at
+  the same time; its note lists each GPU's time, its ``ms`` is the slowest. A split step waits for
+  the slower GPU at every layer, so this row shows how much of a ratio below 2x (or above) is the
+  GPUs' own pace difference (the lent H200 pairs differed by 0.1-2.7 %, ``ablate_comm.py``).
 * ``stock (native) + compile``: the same under ``torch.compile``.
 * ``ours <mode>``: ``enable_sequence_parallel(model, mode)`` over all ranks (at world size 1 this is
   the processor overhead), ``ours <mode> + compile`` the same under ``torch.compile``.
@@ -776,6 +780,8 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="no torch.compile rows (stock or ours)")
     p.add_argument("--no-diffusers-cp", action="store_true", help="no Diffusers context-parallel rows")
     p.add_argument("--no-stock-variants", action="store_true", help="skip stock (cudnn) / stock (flash)")
+    p.add_argument("--no-stock-every-gpu", action="store_true",
+                   help="skip the row timing the stock model on every GPU at once (each GPU's pace)")
     p.add_argument("--no-sdpa-report", action="store_true", help="skip the standalone SDPA TFLOP/s report")
     p.add_argument("--no-profile", action="store_true", help="do not profile one step per row for kernel names")
     p.add_argument("--repeats", type=int, default=5)
@@ -834,6 +840,14 @@ def run_case(ctx: Ctx, bench: Bench, case_name: str, case: dict):
     if ctx.is0 and base["status"] == "ok":
         bench.rows[-1]["rel_err"] = 0.0
         bench.rows[-1]["speedup"] = 1.0
+    if ctx.world > 1 and not args.no_stock_every_gpu:
+        # Every GPU runs the unsplit model at once: each GPU's own pace. A split step waits for the
+        # slower GPU at every layer, and lent GPU pairs differ by up to a few percent.
+        every = bench.row(case_name, "stock (native), every GPU at once", stock_row(model, inputs), ranks=ctx.world,
+                          ref=ref, base_ms=base_ms)
+        if ctx.is0 and every["status"] == "ok":
+            every["note"] = "per GPU: " + " / ".join(f"{t:.1f}" for t in every["ms_per_rank"]) + " ms"
+            bench.write_json()
     common = dict(ref=ref, base_ms=base_ms, text_len=text_len)
     if not args.no_stock_variants:
         for label, backend in (("stock (cudnn)", "CUDNN_ATTENTION"), ("stock (flash)", "FLASH_ATTENTION")):

@@ -82,6 +82,13 @@ def test_rows_and_accuracy(runs, ws):
         assert vsa["status"] in ("ok", "skipped"), vsa
         if vsa["status"] == "skipped":
             assert "vsa" in vsa["note"], vsa
+        every = rows.get((case, "stock (native), every GPU at once"))
+        if ws == 1:
+            assert every is None
+        else:  # each GPU's (here each process's) pace, listed in the note
+            _assert_ok(every, f"{case} stock on every GPU")
+            assert every["ranks"] == 2 and every["ms"] == max(every["ms_per_rank"]), every
+            assert every["note"].startswith("per GPU: ") and every["note"].count(" / ") == 1, every
         for label in ("stock (cudnn)", "stock (flash)"):
             assert rows[(case, label)]["status"] == "skipped"  # CUDA only
     if ws == 1:
