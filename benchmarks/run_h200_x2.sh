@@ -19,10 +19,11 @@ step() {  # step NAME SECONDS CMD...
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name exit $?"
   grep -v "Warning\|warn(\|_warn_once\|^W1" "$OUT/$name.log" | tail -n 25
 }
-# Rows of both transports side by side (sp_transport="auto" is the copy engines for both dense
-# modes on 2 GPUs of one host); TRANSPORT_ROWS in the environment replaces them (bench_transformer's
-# --variants JSON).
-TRANSPORT_ROWS=${TRANSPORT_ROWS:-'{"ulysses nccl": ["ulysses", {"sp_transport": "nccl"}], "kv_gather nccl": ["kv_gather", {"sp_transport": "nccl"}]}'}
+# Rows of both transports side by side (on 2 GPUs of one host sp_transport="auto" is the copy
+# engines for Ulysses and, on these Wan shapes with their K/V-first path, NCCL for K/V-gather, so
+# the other transport of each is asked for by name); TRANSPORT_ROWS in the environment replaces
+# them (bench_transformer's --variants JSON).
+TRANSPORT_ROWS=${TRANSPORT_ROWS:-'{"ulysses nccl": ["ulysses", {"sp_transport": "nccl"}], "kv_gather copy_engine": ["kv_gather", {"sp_transport": "copy_engine"}]}'}
 if [ "$PART" = bench ] || [ "$PART" = bench2 ] || [ "$PART" = all ]; then
   step bench2_13b 220 torchrun --nproc-per-node 2 benchmarks/bench_transformer.py --cases 1.3b --no-compile \
     --no-stock-variants --variants "$TRANSPORT_ROWS" --json "$OUT/bench2_13b.json"

@@ -221,17 +221,22 @@ def _gate_paths(spec, traits: PipelineTraits) -> list:
     return [spec]
 
 
-def _resolve_transport(requested: str, mode: str, group: SPGroup, traits: PipelineTraits) -> str:
+def _resolve_transport(requested: str, mode: str, group: SPGroup, traits: PipelineTraits, *,
+                       kv_first: bool = False) -> str:
     """``sp_transport`` resolved for ``mode``: ``"nccl"`` or ``"copy_engine"``.
 
     ``"auto"`` picks the copy engines for both dense modes when the whole launch is one group of 2
     ranks and they can run there (the same bits; on 2 H200s per step, Wan 1.3B shape: Ulysses 8-13 ms
     and K/V-gather 1-8 ms faster than NCCL; 14B: both 2-5 ms faster; benchmarks/RESULTS.md), and
     NCCL otherwise: larger groups, and 2-rank groups inside a larger launch (CFG parallelism,
-    replicas), have not run on GPUs (CPU CI cannot run them). Ulysses with joint text (Flux, SD3,
-    CogVideoX, HunyuanVideo, Mochi, QwenImage) always runs on NCCL: its text rows travel in the same
-    all-to-all. ``"copy_engine"`` asks for them in either dense mode at any world size. VSA always
-    uses NCCL.
+    replicas), have not run on GPUs (CPU CI cannot run them). One exception: K/V-gather on a family
+    whose K/V-first path is on (``kv_first``: Wan with ``overlap_query_projection=True``) takes NCCL,
+    whose all-gather then runs under the query projection as well: in ten same-run pairs on 2 H200s
+    (fifth and sixth sessions) NCCL was faster in seven, by 1.3 ms per step on average (from 2.9 ms
+    slower to 4.8 ms faster), and needs no symmetric buffer (0.19 GiB less per rank at the 1.3B
+    shape, 0.71 GiB at 14B). Ulysses with joint text (Flux, SD3, CogVideoX, HunyuanVideo, Mochi,
+    QwenImage) always runs on NCCL: its text rows travel in the same all-to-all. ``"copy_engine"``
+    asks for them in either dense mode at any world size. VSA always uses NCCL.
 
     Raises:
         SequenceParallelConfigError: ``"copy_engine"`` was asked for where it cannot run, or for
@@ -248,7 +253,8 @@ def _resolve_transport(requested: str, mode: str, group: SPGroup, traits: Pipeli
                 "self-attention has joint text tokens (Ulysses then runs on NCCL). Use mode='kv_gather' with "
                 "sp_transport='copy_engine', or sp_transport='auto' or 'nccl'.")
         return "nccl"
-    if requested == "auto" and (group.world_size != 2 or dist.get_world_size() != 2):
+    if requested == "auto" and (group.world_size != 2 or dist.get_world_size() != 2 or
+                                (mode == "kv_gather" and kv_first)):
         return "nccl"
     reason = copy_engine_unavailable_reason(group)
     if reason is None:
@@ -287,7 +293,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             (:mod:`diffusers_sp.vae`; enables the VAE's tiling).
         **options: ``attention_kernel`` = ``"auto"`` | ``"sdpa"`` | ``"flash_attn"`` (local dense
             kernel). ``sp_transport``: ``"auto"`` (default: the copy engines through symmetric memory
-            when the launch is one group of 2 CUDA ranks on one host, else NCCL), ``"nccl"`` or
+            when the launch is one group of 2 CUDA ranks on one host, else NCCL; NCCL for
+            K/V-gather where the K/V-first path runs, see ``overlap_query_projection``), ``"nccl"`` or
             ``"copy_engine"`` (either dense mode at any world size; an error where it cannot run,
             and for Ulysses on models with joint text, which always use NCCL); see
             :mod:`diffusers_sp.copy_engine`.
@@ -375,7 +382,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
 
         pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree)
         group = pgroups.sp
-    transport = _resolve_transport(opts["sp_transport"], resolved, group, traits)
+    transport = _resolve_transport(opts["sp_transport"], resolved, group, traits,
+                                   kv_first=family.self_attention_kv_first is not None and opts["overlap_query_projection"])
     _check_same_on_all_ranks(group, {
         "model": traits.fingerprint(), "mode": resolved, "attention_kernel": opts["attention_kernel"],
         "sp_transport": transport, "overlap_head_groups": groups_opt,

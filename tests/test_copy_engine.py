@@ -123,3 +123,46 @@ def test_refused_pieces_fall_back_to_tensor_copy(caplog):
         assert torch.equal(d, s[:, 2:5])
     warnings = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(warnings) == 1 and "invalid argument" in warnings[0] and "error 1" in warnings[0]
+
+
+@pytest.mark.parametrize("mode,kv_first,requested,expected", [
+    ("kv_gather", False, "auto", "copy_engine"),  # K/V-gather without the K/V-first path pipelines on the copy engines
+    ("kv_gather", True, "auto", "nccl"),  # with it (Wan), NCCL's all-gather runs under the query projection
+    ("kv_gather", True, "copy_engine", "copy_engine"),  # asked for explicitly: still the copy engines
+    ("ulysses", True, "auto", "copy_engine"),  # Ulysses keeps the copy engines either way
+    ("ulysses", False, "auto", "copy_engine"),
+    ("kv_gather", False, "nccl", "nccl"),
+    ("vsa", False, "auto", "nccl"),
+])
+def test_auto_transport_rule(monkeypatch, mode, kv_first, requested, expected):
+    """``sp_transport="auto"`` on one 2-rank group where the copy engines could run (faked here: CPU
+    CI has no CUDA): K/V-gather takes NCCL only when the family's K/V-first path is on."""
+    from types import SimpleNamespace
+
+    import diffusers_sp.api as api
+
+    monkeypatch.setattr(api, "copy_engine_unavailable_reason", lambda group: None)
+    monkeypatch.setattr(api.dist, "get_world_size", lambda *a, **k: 2)
+    group = SimpleNamespace(world_size=2, rank=0)
+    traits = SimpleNamespace(name="WanPipeline", models=[SimpleNamespace(name="transformer", joint_text=None)])
+    assert api._resolve_transport(requested, mode, group, traits, kv_first=kv_first) == expected
+
+
+def test_enable_passes_whether_the_kv_first_path_runs(monkeypatch):
+    """``enable_sequence_parallel`` tells the transport rule whether the K/V-first path is on: Wan with
+    ``overlap_query_projection`` (default True) yes, with it False no, a family without the path no."""
+    import diffusers_sp.api as api
+    from diffusers_sp import tiny_models as tm
+
+    seen = []
+    real = api._resolve_transport
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("kv_first"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_resolve_transport", spy)
+    for model, options in ((tm.tiny_wan_transformer(), {}), (tm.tiny_wan_transformer(), {"overlap_query_projection": False}),
+                           (tm.tiny_cogvideox_transformer(), {})):
+        api.enable_sequence_parallel(model, mode="kv_gather", **options).disable()
+    assert seen == [True, False, False]
