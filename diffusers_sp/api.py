@@ -143,9 +143,11 @@ def _check_same_on_all_ranks(group: SPGroup, fingerprint: dict) -> None:
         return
     gathered = [None] * group.world_size
     dist.all_gather_object(gathered, fingerprint, group=group.group)
-    differ = [k for k in fingerprint if any(g[k] != gathered[0][k] for g in gathered)]
+    missing = "(not checked on this rank)"  # ranks on different paths may send different keys
+    keys = list(dict.fromkeys(k for g in gathered for k in g))
+    differ = [k for k in keys if any(g.get(k, missing) != gathered[0].get(k, missing) for g in gathered)]
     if differ:
-        detail = "; ".join(f"{k}: " + ", ".join(f"rank {i} {g[k]!r}" for i, g in enumerate(gathered))
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {i} {g.get(k, missing)!r}" for i, g in enumerate(gathered))
                            for k in differ)
         raise SequenceParallelConfigError(
             "ranks disagree on the pipeline or mode to parallelize (every rank must load the same model "
@@ -374,22 +376,31 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
 
         check_parallel_vae(target, models)
 
+    # What every rank of the launch must agree on, checked over the whole launch (or the passed
+    # process_group) before the replica/CFG/SP sub-groups are built: building them is itself a
+    # collective over the launch, which ranks with different layouts would enter with different
+    # arguments and never leave.
+    agree = {
+        "model": traits.fingerprint(), "mode": resolved, "attention_kernel": opts["attention_kernel"],
+        "overlap_head_groups": groups_opt, "overlap_query_projection": opts["overlap_query_projection"],
+        "vsa": None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"], opts["vsa_gate_weights"] is not None),
+        "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
+        "parallel_vae": bool(parallel_vae)}
+    kv_first = family.self_attention_kv_first is not None and opts["overlap_query_projection"]
+    launch = resolve_group(process_group)
     if layout.trivial:
-        group = resolve_group(process_group)
-        pgroups = None
+        group, pgroups = launch, None
+        transport = _resolve_transport(opts["sp_transport"], resolved, group, traits, kv_first=kv_first)
+        _check_same_on_all_ranks(group, {**agree, "sp_transport": transport})
     else:
         from .groups import build_parallel_groups
 
+        _check_same_on_all_ranks(launch, agree)
         pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree)
         group = pgroups.sp
-    transport = _resolve_transport(opts["sp_transport"], resolved, group, traits,
-                                   kv_first=family.self_attention_kv_first is not None and opts["overlap_query_projection"])
-    _check_same_on_all_ranks(group, {
-        "model": traits.fingerprint(), "mode": resolved, "attention_kernel": opts["attention_kernel"],
-        "sp_transport": transport, "overlap_head_groups": groups_opt,
-        "overlap_query_projection": opts["overlap_query_projection"],
-        "vsa": None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"], opts["vsa_gate_weights"] is not None),
-        "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "parallel_vae": bool(parallel_vae)})
+        # The transport also depends on each rank's environment (launcher variables, peer access).
+        transport = _resolve_transport(opts["sp_transport"], resolved, group, traits, kv_first=kv_first)
+        _check_same_on_all_ranks(group, {"sp_transport": transport})
 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
                                     group=group, target=target, sp_mode=vsa["sp_mode"] if vsa else resolved,

@@ -76,6 +76,11 @@ def world_size_for(process_group=None) -> int:
                 "`accelerate launch` or `torchrun` and create the group after init_process_group, or "
                 "pass process_group=None to let Accelerate set the run up."
             )
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns on the ranks it leaves out
+            raise SequenceParallelConfigError(
+                f"this rank (global rank {dist.get_rank()}) is not a member of the process_group passed to "
+                f"enable_sequence_parallel: call it only on the group's ranks, or give every rank the group it "
+                f"belongs to (e.g. from torch.distributed.new_subgroups).")
         if not isinstance(process_group, dist.ProcessGroup):
             raise SequenceParallelConfigError(
                 f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}."

@@ -96,7 +96,8 @@ def resolve_layout(name: str, world_size: int, *, cfg_parallel=False, sp_degree:
             raise SequenceParallelConfigError(
                 f"{name}: cfg_parallel=True needs an even number of ranks (one CFG group for the "
                 f"conditional pass, one for the unconditional), got {world_size}. Launch "
-                f"{max(2, world_size - 1)} or {world_size + 1} ranks, or use cfg_parallel=False.")
+                f"{' or '.join(str(w) for w in (world_size - 1, world_size + 1) if w >= 2)} ranks, or use "
+                f"cfg_parallel=False.")
         cfg_degree = 2
     else:
         cfg_degree = 1

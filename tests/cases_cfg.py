@@ -240,6 +240,22 @@ def case_vae_other_families():
     return {"hunyuan_video": _vae_hunyuan_video(), "cogvideox": _vae_cogvideox(), "ltx": _vae_ltx()}
 
 
+def case_layout_disagrees():
+    """Ranks asking for different layouts (review, sixth session: they hung in the sub-group creation
+    or ran unsplit): at world size 2 rank 0 passes cfg_parallel=True and rank 1 False; at 4 ranks 0-1
+    pass sp_degree=2 and ranks 2-3 sp_degree=1. Every rank must raise the same error, before the
+    sub-groups are built."""
+    from distributed import error_of
+
+    pipe = _pipe("t2v")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 2:
+        kwargs = dict(cfg_parallel=rank == 0)
+    else:
+        kwargs = dict(sp_degree=2 if rank < 2 else 1)
+    return error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather", **kwargs))
+
+
 def case_group_usable_after():
     x = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(x)

@@ -349,3 +349,19 @@ def case_error_head_groups_disagree():
     rank = resolve_group().rank
     return error_of(lambda: enable_sequence_parallel(tm.tiny_cogvideox_transformer(), mode="kv_gather",
                                                      overlap_head_groups=rank + 1))
+
+
+def case_error_not_a_group_member():
+    """Every rank passes a process_group of rank 0 alone (``new_group([0])``): rank 0 runs at world size
+    1; the others, which torch hands ``NON_GROUP_MEMBER``, get an error saying they are not members
+    (it said "process_group must be a ProcessGroup, got int"; review, sixth session)."""
+    import torch.distributed as dist
+
+    only_rank0 = dist.new_group([0])
+    model = tm.tiny_cogvideox_transformer()
+    if dist.get_rank() == 0:
+        handle = enable_sequence_parallel(model, mode="kv_gather", process_group=only_rank0)
+        world = handle.world_size
+        handle.disable()
+        return {"world_size": world}
+    return {"error": error_of(lambda: enable_sequence_parallel(model, mode="kv_gather", process_group=only_rank0))}

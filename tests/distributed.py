@@ -35,6 +35,9 @@ def _free_port() -> int:
 
 
 def _worker(local_rank: int, world_size: int, port: int, module: str, cases: list[str], out_dir: str, device: str):
+    import faulthandler
+
+    faulthandler.enable()  # a crash of a rank (e.g. SIGSEGV in a native library) prints its Python stack
     if device == "cpu":
         # gloo on CPU even on a machine with GPUs.
         os.environ.update(ACCELERATE_USE_CPU="1", CUDA_VISIBLE_DEVICES="")

@@ -76,6 +76,7 @@ def test_auto_rule_records_measurement():
 
 @pytest.mark.parametrize("kwargs,world,needles", [
     (dict(cfg_parallel=True), 3, ["even number of ranks", "2 or 4"]),
+    (dict(cfg_parallel=True), 1, ["got 1. Launch 2 ranks"]),  # said "Launch 2 or 2 ranks" (review, sixth session)
     (dict(cfg_parallel=True, sp_degree=3), 4, ["sp_degree values that work here: [1, 2]"]),
     (dict(sp_degree=3), 4, ["[1, 2, 4]"]),
     (dict(sp_degree=0), 4, ["positive int"]),
@@ -97,3 +98,13 @@ def test_layouts():
     assert (lay.num_replicas, lay.cfg_degree, lay.sp_degree) == (2, 2, 2)
     lay = resolve_layout("W", 4)
     assert (lay.num_replicas, lay.cfg_degree, lay.sp_degree, lay.trivial) == (1, 1, 4, True)
+
+
+def test_layout_disagreement_raises_on_every_rank(results):
+    """Different cfg_parallel / sp_degree on different ranks: the same clear error everywhere, no hang."""
+    P, res = results
+    messages = values(res, "layout_disagrees")
+    assert len(set(messages)) == 1, messages
+    assert "ranks disagree" in messages[0], messages[0]
+    assert ("cfg_degree" if P == 2 else "sp_degree") in messages[0], messages[0]
+

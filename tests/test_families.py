@@ -100,3 +100,12 @@ def test_head_groups_must_agree_across_ranks(results):
     assert len(set(msgs)) == 1
     assert "ranks disagree" in msgs[0], msgs[0]
     assert "overlap_head_groups: rank 0 " in msgs[0], msgs[0]  # names the option that differs
+
+
+def test_rank_outside_the_passed_group_is_told_so(results):
+    P, res = results
+    got = values(res, "error_not_a_group_member")
+    assert got[0] == {"world_size": 1}
+    for rank, v in enumerate(got[1:], start=1):
+        assert "is not a member of the process_group" in v["error"], (rank, v)
+        assert f"global rank {rank}" in v["error"], (rank, v)
