@@ -201,6 +201,22 @@ def _check_no_cache(model) -> None:
         raise SequenceParallelConfigError(_CACHE_CONFLICT.format(name=type(model).__name__, model=type(model).__name__))
 
 
+def _check_model(model, wrapped: list) -> None:
+    """Raises SequenceParallelConfigError (the same on every rank: all ranks make the same calls) when
+    ``model`` was changed after enabling in a way sequence parallelism cannot follow: a Diffusers cache
+    enabled, or an attention processor replaced (``wrapped``: ``(name, module, our processor)``).
+    Run by the split hooks before every split."""
+    _check_no_cache(model)
+    for name, module, processor in wrapped:
+        if getattr(module, "processor", None) is not processor:
+            raise SequenceParallelConfigError(
+                f"{type(model).__name__}: the attention processor of {name} was replaced after "
+                f"enable_sequence_parallel (by {type(getattr(module, 'processor', None)).__name__}; "
+                "fuse_qkv_projections() and set_attn_processor() do this on some models), so that "
+                "attention would see only this rank's tokens. Call disable_sequence_parallel() first, make "
+                "the change, then enable sequence parallelism again.")
+
+
 def _gate_paths(spec, traits: PipelineTraits) -> list:
     """``vsa_gate_weights`` as one path (or None) per transformer of ``traits``.
 
@@ -416,6 +432,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
         state = SequenceState(group, extra={"joint_text": model_traits.joint_text},
                               check=functools.partial(_check_no_cache, model))
+        wrapped = []  # (name, attention module, our processor), for the check before every split
         installed = _InstalledModel(model, state, hooks=[], processors=[])
         handle._models.append(installed)
         installed.hooks = apply_plan(model, family.sharding_plan(model), state)
@@ -425,7 +442,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             HookRegistry.check_if_exists_or_initialize(model).register_hook(
                 TileOrderHook(state, family.latent_grid, vsa["tile"]), hook_name)
             installed.hooks.append((model, hook_name))
-        for layer, (_, module) in enumerate(family.attention_modules(model)):
+        for layer, (name, module) in enumerate(family.attention_modules(model)):
             inner = module.processor
             backend = getattr(inner, "_attention_backend", None)
             if hasattr(inner, "_attention_backend"):
@@ -442,6 +459,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 processor = VideoSparseAttnProcessor(inner, state, sparsity=vsa["sparsity"], sp_mode=vsa["sp_mode"],
                                                      gate=gate)
             _set_processor(module, processor)
+            wrapped.append((name, module, processor))
+        state.check = functools.partial(_check_model, model, wrapped)
         setattr(model, _HANDLE_ATTR, handle)
     if layout.cfg_degree == 2:
         handle._cfg_hooks = _cfg.install(target, family.name, models, pgroups, handle)

@@ -365,3 +365,30 @@ def case_error_not_a_group_member():
         handle.disable()
         return {"world_size": world}
     return {"error": error_of(lambda: enable_sequence_parallel(model, mode="kv_gather", process_group=only_rank0))}
+
+
+def case_error_processor_replaced():
+    """``fuse_qkv_projections()`` after enabling replaces CogVideoX's attention processors (Diffusers'
+    ``set_attn_processor``), which dropped the sequence-parallel wrappers: each rank then attended to
+    its own tokens only, silently (review, sixth session). The next forward must raise on every rank;
+    fusing before enabling stays exact."""
+    g = _gen()
+    kwargs = dict(hidden_states=torch.randn(1, 1, 4, 10, 14, generator=g),
+                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g), timestep=torch.tensor([500]))
+    model = tm.tiny_cogvideox_transformer()
+    with torch.no_grad():
+        ref = model(**kwargs).sample
+        handle = enable_sequence_parallel(model, mode="kv_gather")
+        model.fuse_qkv_projections()
+        try:
+            msg = error_of(lambda: model(**kwargs))
+        finally:
+            handle.disable()
+        fused_first = tm.tiny_cogvideox_transformer()
+        fused_first.fuse_qkv_projections()
+        handle = enable_sequence_parallel(fused_first, mode="kv_gather")
+        try:
+            before = compare(ref, fused_first(**kwargs).sample)
+        finally:
+            handle.disable()
+    return {"error": msg, "fused_before_enable": before}

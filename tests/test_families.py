@@ -109,3 +109,11 @@ def test_rank_outside_the_passed_group_is_told_so(results):
     for rank, v in enumerate(got[1:], start=1):
         assert "is not a member of the process_group" in v["error"], (rank, v)
         assert f"global rank {rank}" in v["error"], (rank, v)
+
+
+def test_processor_replaced_after_enable_raises(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "error_processor_replaced")):
+        assert "was replaced after enable_sequence_parallel" in v["error"], (rank, v["error"])
+        assert "FusedCogVideoXAttnProcessor2_0" in v["error"], v["error"]
+        assert_close(v["fused_before_enable"], f"P={P} rank {rank}: fused before enabling")
