@@ -51,7 +51,8 @@ def parse_args(argv=None):
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--output", default="outputs/video.mp4",
-                   help="video file written by rank 0 (.mp4 through imageio-ffmpeg, or .gif)")
+                   help="video file written by rank 0: .mp4, .mov, .mkv, .avi (H.264 through imageio-ffmpeg) or "
+                        ".gif; a directory gets video.mp4 inside it")
     p.add_argument("--vsa-sparsity", type=float, default=0.9,
                    help="with --mode vsa: fraction of key tiles each query tile skips (default 0.9)")
     p.add_argument("--check", action="store_true",
@@ -93,15 +94,20 @@ def load_pipeline(model: str | None, dtype: torch.dtype, rank: int):
     return DiffusionPipeline.from_pretrained(model, dtype=dtype)
 
 
-VIDEO_SUFFIXES = (".mp4", ".gif", ".mov", ".mkv", ".webm", ".avi")
+# Diffusers' export_to_video always encodes H.264 (libx264), which these containers take; WebM does
+# not (it wants VP8/VP9/AV1), so .webm is not offered.
+VIDEO_SUFFIXES = (".mp4", ".gif", ".mov", ".mkv", ".avi")
 
 
 def checked_output(path: str) -> str:
-    """``--output`` with ``.mp4`` added when it has no suffix.
+    """``--output`` as the file to write: ``video.mp4`` inside it when it names a directory (an
+    existing one, or any path ending in a separator), ``.mp4`` added when it has no suffix.
 
     Raises:
         SystemExit: an unknown video suffix, before any work, on every rank alike.
     """
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        return os.path.join(path, "video.mp4")
     suffix = os.path.splitext(path)[1].lower()
     if not suffix:
         return path + ".mp4"
