@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -223,6 +224,13 @@ def _gate_paths(spec, traits: PipelineTraits) -> list:
     A single path serves a pipeline with one transformer; with several (Wan 2.2), pass a dict
     ``{"transformer": path, "transformer_2": path}`` (missing entries: zero gate).
     """
+    def path(value, where=""):
+        if value is None or isinstance(value, (str, os.PathLike)):
+            return value
+        raise SequenceParallelConfigError(
+            f"{traits.name}: vsa_gate_weights{where} must be a path to a safetensors file (str or "
+            f"os.PathLike) or None, got {type(value).__name__}.")
+
     if spec is None:
         return [None] * len(traits.models)
     if isinstance(spec, dict):
@@ -231,12 +239,12 @@ def _gate_paths(spec, traits: PipelineTraits) -> list:
             raise SequenceParallelConfigError(
                 f"{traits.name}: vsa_gate_weights names {unknown}, which are not transformers of this pipeline "
                 f"({[m.attribute for m in traits.models]}).")
-        return [spec.get(m.attribute) for m in traits.models]
+        return [path(spec.get(m.attribute), f"[{m.attribute!r}]") for m in traits.models]
     if len(traits.models) > 1:
         raise SequenceParallelConfigError(
             f"{traits.name} has {len(traits.models)} transformers; pass vsa_gate_weights as a dict "
             f"{{attribute: path}} for {[m.attribute for m in traits.models]}.")
-    return [spec]
+    return [path(spec)]
 
 
 def _resolve_transport(requested: str, mode: str, group: SPGroup, traits: PipelineTraits, *,
@@ -347,6 +355,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             f"attention_kernel={opts['attention_kernel']!r} is not one of {KERNELS}.")
     if opts["sp_transport"] not in TRANSPORTS:
         raise SequenceParallelConfigError(f"sp_transport={opts['sp_transport']!r} is not one of {TRANSPORTS}.")
+    if not isinstance(parallel_vae, bool):
+        raise SequenceParallelConfigError(f"parallel_vae must be True or False, got {parallel_vae!r}.")
     if not isinstance(opts["overlap_query_projection"], bool):
         raise SequenceParallelConfigError(
             f"overlap_query_projection must be True or False, got {opts['overlap_query_projection']!r}.")

@@ -57,5 +57,6 @@ class PipelineTraits:
 
     def fingerprint(self) -> tuple:
         """A hashable summary compared across ranks to catch ranks that loaded different models."""
-        return (self.name, self.family, tuple((m.attribute, m.name, m.num_heads, m.head_dim,
-                                               m.num_attention_layers) for m in self.models))
+        return (self.name, self.family, tuple((m.attribute, m.name, m.num_heads, m.head_dim, m.patch_size,
+                                               m.joint_text, m.text_mask, m.num_attention_layers)
+                                              for m in self.models))

@@ -49,25 +49,3 @@ def test_generate_video_too_few_tokens_fails_on_every_rank(tmp_path):
     assert text.count("SequenceParallelConfigError: cannot split a sequence of 1 tokens over 2 ranks") >= 2, text[-3000:]
     assert not out.exists()
 
-
-def _example_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("generate_video", ROOT / "examples/generate_video.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_output_paths(tmp_path):
-    """--output as the user meant it, decided before any work (review, sixth session: "outputs/" became
-    "outputs/.mp4" and failed after the whole generation; ".webm" was accepted but libx264 cannot go
-    into WebM)."""
-    checked = _example_module().checked_output
-    assert checked("outputs/") == os.path.join("outputs/", "video.mp4")
-    assert checked(str(tmp_path)) == os.path.join(str(tmp_path), "video.mp4")  # an existing directory
-    assert checked("clip") == "clip.mp4"
-    assert checked("a/clip.GIF") == "a/clip.GIF"
-    for bad in ("clip.webm", "clip.png"):
-        with pytest.raises(SystemExit, match="unknown video format"):
-            checked(bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,18 @@ def test_example_output_suffix_checked_before_any_work():
         example.main(["--output", "video.txt"])
 
 
+def test_example_output_paths(tmp_path):
+    """--output as the user meant it, decided before any work (review, sixth session: "outputs/" became
+    "outputs/.mp4" and failed after the whole generation; ".webm" was accepted, but the H.264 that
+    export_to_video writes cannot go into WebM)."""
+    checked = _example().checked_output
+    assert checked("outputs/") == os.path.join("outputs/", "video.mp4")
+    assert checked(str(tmp_path)) == os.path.join(str(tmp_path), "video.mp4")  # an existing directory
+    for bad in ("clip.webm", "clip.png"):
+        with pytest.raises(SystemExit, match="unknown video format"):
+            checked(bad)
+
+
 def test_example_missing_prompts_file_refused_before_loading(tmp_path):
     with pytest.raises(SystemExit, match="no such file"):
         _example().main(["--prompts-file", str(tmp_path / "missing.txt")])
@@ -76,6 +89,26 @@ def test_example_missing_prompts_file_refused_before_loading(tmp_path):
 def test_transport_options_checked(options, match):
     with pytest.raises(SequenceParallelConfigError, match=match):
         enable_sequence_parallel(tiny_wan_transformer(), mode="kv_gather", **options)
+
+
+@pytest.mark.parametrize("options,match", [
+    # Review, sixth session: "no" turned the parallel VAE on; 123 raised a bare TypeError.
+    (dict(mode="kv_gather", parallel_vae="no"), "parallel_vae must be True or False, got 'no'"),
+    (dict(mode="vsa", vsa_gate_weights=123), "vsa_gate_weights must be a path .* got int"),
+])
+def test_option_types_checked(options, match):
+    with pytest.raises(SequenceParallelConfigError, match=match):
+        enable_sequence_parallel(tiny_wan_transformer(), **options)
+
+
+def test_fingerprint_covers_the_patch_size():
+    """Ranks whose models differ only in patch size must not pass the cross-rank check (review)."""
+    from diffusers_sp.api import read_traits
+
+    a = read_traits(tiny_wan_transformer())
+    b = read_traits(tiny_wan_transformer(patch_size=(1, 1, 1)))
+    assert a.models[0].patch_size != b.models[0].patch_size
+    assert a.fingerprint() != b.fingerprint()
 
 
 def test_single_process_ignores_the_transport():
