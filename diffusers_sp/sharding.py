@@ -115,7 +115,7 @@ class SequenceSplitHook(ModelHook):
         self.state = state
         self._params: list[str] | None = None
 
-    def _split(self, x, spec: ContextParallelInput):
+    def _split(self, x, spec: ContextParallelInput, what: str = "a tensor"):
         if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
             return x
         if self.state.check is not None:
@@ -123,9 +123,12 @@ class SequenceSplitHook(ModelHook):
         group = self.state.group
         length = x.shape[spec.split_dim]
         if length < group.world_size:
+            broadcast = (" A dimension of 1 that broadcasts over the tokens, such as a timestep of shape "
+                         "[B, 1], cannot be split: pass one value per sample ([B]) or one per token.") if length == 1 else ""
             raise SequenceParallelConfigError(
-                f"cannot split a sequence of {length} tokens over {group.world_size} ranks; use fewer "
-                f"ranks or a larger latent (height, width or frames)."
+                f"cannot split a sequence of {length} tokens over {group.world_size} ranks ({what} of shape "
+                f"{list(x.shape)}, dim {spec.split_dim}); use fewer ranks or a larger latent (height, width or "
+                f"frames).{broadcast}"
             )
         self.state.seq_len = length
         order = self.state.order
@@ -150,19 +153,20 @@ class SequenceSplitHook(ModelHook):
         for name, spec in self.entries.items():
             if not isinstance(name, str) or getattr(spec, "split_output", False):
                 continue
+            what = f"argument {name!r} of {type(module).__name__}"
             if name in kwargs:
-                kwargs[name] = self._split_value(kwargs[name], spec)
+                kwargs[name] = self._split_value(kwargs[name], spec, what)
             elif name in self._params and self._params.index(name) < len(args):
                 i = self._params.index(name)
-                args[i] = self._split_value(args[i], spec)
+                args[i] = self._split_value(args[i], spec, what)
         return tuple(args), kwargs
 
-    def _split_value(self, value, spec):
+    def _split_value(self, value, spec, what: str = "a tensor"):
         if isinstance(spec, (list, tuple)):
             if not isinstance(value, (list, tuple)):  # e.g. an optional RoPE tuple passed as None
                 return value
-            return type(value)(self._split(v, s) for v, s in zip(value, spec))
-        return self._split(value, spec)
+            return type(value)(self._split(v, s, what) for v, s in zip(value, spec))
+        return self._split(value, spec, what)
 
     def post_forward(self, module, output):
         out_specs = {k: v for k, v in self.entries.items() if isinstance(k, int)}
@@ -171,7 +175,7 @@ class SequenceSplitHook(ModelHook):
         single = torch.is_tensor(output)
         items = [output] if single else list(output)
         for index, spec in out_specs.items():
-            items[index] = self._split(items[index], spec)
+            items[index] = self._split(items[index], spec, f"output {index} of {type(module).__name__}")
         return items[0] if single else type(output)(items)
 
 

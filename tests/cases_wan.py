@@ -193,6 +193,22 @@ def case_error_bad_process_group():
     return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), process_group="world"))
 
 
+def case_error_timestep_b1():
+    """A timestep of shape [B, 1] (one process broadcasts it over the tokens) cannot be split over the
+    ranks; the error named only the latent (review, sixth session). It must name the argument and its
+    shape, on every rank, during the forward."""
+    model = tiny_wan_transformer()
+    g = torch.Generator().manual_seed(0)
+    kwargs = dict(hidden_states=torch.randn(1, 16, 5, 10, 14, generator=g), timestep=torch.tensor([[500.0]]),
+                  encoder_hidden_states=torch.randn(1, 7, 32, generator=g))
+    handle = enable_sequence_parallel(model, mode="kv_gather")
+    try:
+        with torch.no_grad():
+            return error_of(lambda: model(**kwargs))
+    finally:
+        handle.disable()
+
+
 def case_group_usable_after_errors():
     """After every error case, the group still works: nothing was left half-way in a collective."""
     x = torch.ones(1) * (dist.get_rank() + 1)

@@ -69,6 +69,7 @@ def test_random_draws_agree_across_ranks(results):
     ("error_already_enabled", ["already enabled", "disable_sequence_parallel"]),
     ("error_unsupported_model", ["AutoencoderKLWan", "WanPipeline", "WanTransformer3DModel"]),
     ("error_bad_process_group", ["ProcessGroup"]),
+    ("error_timestep_b1", ["argument 'timestep' of WanTransformer3DModel of shape [1, 1]", "[B, 1]"]),
 ])
 def test_errors_raised_identically_on_every_rank(results, case, needles):
     P, res = results
