@@ -20,7 +20,6 @@ Times are medians of CUDA events per rank (ms per step); stdout and ``--json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -148,18 +147,14 @@ def main(argv=None):
         finally:
             kv_gather.start_gather_kv = original
         for label, opts in (("ours kv_gather nccl", {"sp_transport": "nccl"}),
-                            ("ours kv_gather copy engine G=1", {"overlap_head_groups": 1}),
-                            ("ours kv_gather copy engine G=4", {"overlap_head_groups": 4})):
+                            ("ours kv_gather copy engine G=1", {"sp_transport": "copy_engine", "overlap_head_groups": 1}),
+                            ("ours kv_gather copy engine G=4", {"sp_transport": "copy_engine", "overlap_head_groups": 4})):
             handle = enable_sequence_parallel(model, mode="kv_gather", **opts)
             record(case_name, label, bt.time_steps(ctx, step, collective=True)[0])
             handle.disable()
         model = inputs = None
         bt.free_memory(ctx)
-    if ctx.is0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if ctx.dist:
-        torch.distributed.destroy_process_group()
+    bt.finish(ctx, args.json, report)
 
 
 if __name__ == "__main__":

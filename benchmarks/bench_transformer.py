@@ -256,6 +256,16 @@ def _symmetric_bytes() -> int:
     return symmetric_memory_bytes()
 
 
+def finish(ctx: Ctx, path: str | None, report) -> None:
+    """End of a benchmark script built on this one: rank 0 writes ``report`` as JSON to ``path``
+    (if given), then every rank leaves the process group."""
+    if ctx.is0 and path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+    if ctx.dist:
+        dist.destroy_process_group()
+
+
 def _step(model, inputs):
     with torch.no_grad():
         out = model(**inputs)

@@ -21,7 +21,6 @@ for the weighted rows only. Every split gives the same output; this only times.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -126,11 +125,7 @@ def main(argv=None):
                     record(case_name, f"ours {mode} {label}", ctx.gather_floats(ms))
         model = inputs = None
         bt.free_memory(ctx)
-    if ctx.is0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if ctx.dist:
-        torch.distributed.destroy_process_group()
+    bt.finish(ctx, args.json, report)
 
 
 if __name__ == "__main__":

@@ -144,11 +144,7 @@ def main(argv=None):
                     print(f"      {kms:7.2f}  {name}")
         del model, inputs
         bt.free_memory(ctx)
-    if ctx.is0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if ctx.dist:
-        torch.distributed.destroy_process_group()
+    bt.finish(ctx, args.json, report)
 
 
 if __name__ == "__main__":
