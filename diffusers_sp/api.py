@@ -42,7 +42,7 @@ class _InstalledModel:
     model: torch.nn.Module
     state: SequenceState
     hooks: list
-    processors: list  # (attention module, original processor, original inner backend)
+    processors: list  # (attention module, original processor, original inner backend, our processor)
 
 
 @dataclass
@@ -96,10 +96,21 @@ class SequenceParallelHandle:
         """Restores the original processors and removes every hook; outputs are then the model's own."""
         for installed in self._models:
             remove_hooks(installed.hooks)
-            for module, original, backend in installed.processors:
-                _set_processor(module, original)
+            originals = {id(wrapper): original for _, original, _, wrapper in installed.processors}
+            for module, original, backend, wrapper in installed.processors:
+                # A processor replaced since enabling (fuse_qkv_projections(), set_attn_processor) is
+                # the user's change: it stays.
+                if getattr(module, "processor", None) is wrapper:
+                    _set_processor(module, original)
                 if hasattr(original, "_attention_backend"):
                     original._attention_backend = backend
+            # Diffusers' fuse_qkv_projections() saves the processors it replaces (ours) for
+            # unfuse_qkv_projections(); put the originals there instead.
+            saved = getattr(installed.model, "original_attn_processors", None)
+            if isinstance(saved, dict):
+                for key, value in saved.items():
+                    if id(value) in originals:
+                        saved[key] = originals[id(value)]
             if getattr(installed.model, _HANDLE_ATTR, None) is self:
                 delattr(installed.model, _HANDLE_ATTR)
         for undo in reversed(self._undo):
@@ -214,8 +225,8 @@ def _check_model(model, wrapped: list) -> None:
                 f"{type(model).__name__}: the attention processor of {name} was replaced after "
                 f"enable_sequence_parallel (by {type(getattr(module, 'processor', None)).__name__}; "
                 "fuse_qkv_projections() and set_attn_processor() do this on some models), so that "
-                "attention would see only this rank's tokens. Call disable_sequence_parallel() first, make "
-                "the change, then enable sequence parallelism again.")
+                "attention would see only this rank's tokens. Call disable_sequence_parallel(), which keeps "
+                "the new processors, then enable sequence parallelism again to wrap them.")
 
 
 def _gate_paths(spec, traits: PipelineTraits) -> list:
@@ -408,25 +419,31 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     # arguments and never leave.
     agree = {
         "model": traits.fingerprint(), "mode": resolved, "attention_kernel": opts["attention_kernel"],
-        "overlap_head_groups": groups_opt, "overlap_query_projection": opts["overlap_query_projection"],
+        "sp_transport": opts["sp_transport"], "overlap_head_groups": groups_opt,
+        "overlap_query_projection": opts["overlap_query_projection"],
         "vsa": None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"], opts["vsa_gate_weights"] is not None),
         "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
         "parallel_vae": bool(parallel_vae)}
-    kv_first = family.self_attention_kv_first is not None and opts["overlap_query_projection"]
     launch = resolve_group(process_group)
+    _check_same_on_all_ranks(launch, agree)
     if layout.trivial:
         group, pgroups = launch, None
-        transport = _resolve_transport(opts["sp_transport"], resolved, group, traits, kv_first=kv_first)
-        _check_same_on_all_ranks(group, {**agree, "sp_transport": transport})
     else:
         from .groups import build_parallel_groups
 
-        _check_same_on_all_ranks(launch, agree)
         pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree)
         group = pgroups.sp
-        # The transport also depends on each rank's environment (launcher variables, peer access).
-        transport = _resolve_transport(opts["sp_transport"], resolved, group, traits, kv_first=kv_first)
-        _check_same_on_all_ranks(group, {"sp_transport": transport})
+    # The transport also depends on each rank's environment (launcher variables, peer access): its
+    # verdict, or its refusal, is shared within the SP group so that no rank raises alone.
+    try:
+        transport, refusal = _resolve_transport(
+            opts["sp_transport"], resolved, group, traits,
+            kv_first=family.self_attention_kv_first is not None and opts["overlap_query_projection"]), None
+    except SequenceParallelConfigError as exc:
+        transport, refusal = None, str(exc)
+    _check_same_on_all_ranks(group, {"sp_transport (resolved)": transport if refusal is None else f"refused: {refusal}"})
+    if refusal is not None:
+        raise SequenceParallelConfigError(refusal)
 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
                                     group=group, target=target, sp_mode=vsa["sp_mode"] if vsa else resolved,
@@ -459,7 +476,6 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 # dispatch_attention_fn with the native backend ends in F.scaled_dot_product_attention,
                 # which the wrapper catches.
                 inner._attention_backend = "native"
-            installed.processors.append((module, inner, backend))
             if vsa is None:
                 kv_first = family.self_attention_kv_first if opts["overlap_query_projection"] else None
                 processor = processor_cls(inner, state, kernel=opts["attention_kernel"], transport=transport,
@@ -469,6 +485,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 processor = VideoSparseAttnProcessor(inner, state, sparsity=vsa["sparsity"], sp_mode=vsa["sp_mode"],
                                                      gate=gate)
             _set_processor(module, processor)
+            installed.processors.append((module, inner, backend, processor))
             wrapped.append((name, module, processor))
         state.check = functools.partial(_check_model, model, wrapped)
         setattr(model, _HANDLE_ATTR, handle)

@@ -253,7 +253,11 @@ def case_layout_disagrees():
         kwargs = dict(cfg_parallel=rank == 0)
     else:
         kwargs = dict(sp_degree=2 if rank < 2 else 1)
-    return error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather", **kwargs))
+    plain = error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather", **kwargs))
+    # With a transport that one side would refuse before any collective (the copy engines on gloo),
+    # that side raised alone and the other waited in the check until the timeout (second review).
+    refused = error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather", sp_transport="copy_engine", **kwargs))
+    return {"plain": plain, "copy_engine": refused}
 
 
 def case_group_usable_after():

@@ -384,6 +384,13 @@ def case_error_processor_replaced():
             msg = error_of(lambda: model(**kwargs))
         finally:
             handle.disable()
+        # disable() keeps the user's fused processors and hands Diffusers the original ones for
+        # unfuse_qkv_projections() (it restored our wrappers, which then failed every forward).
+        after_disable = compare(ref, model(**kwargs).sample)
+        model.unfuse_qkv_projections()
+        after_unfuse = compare(ref, model(**kwargs).sample)
+        leftover = sorted({type(p).__name__ for p in model.attn_processors.values()
+                           if type(p).__module__.startswith("diffusers_sp")})
         fused_first = tm.tiny_cogvideox_transformer()
         fused_first.fuse_qkv_projections()
         handle = enable_sequence_parallel(fused_first, mode="kv_gather")
@@ -391,4 +398,5 @@ def case_error_processor_replaced():
             before = compare(ref, fused_first(**kwargs).sample)
         finally:
             handle.disable()
-    return {"error": msg, "fused_before_enable": before}
+    return {"error": msg, "fused_before_enable": before, "after_disable": after_disable,
+            "after_unfuse": after_unfuse, "leftover": leftover}

@@ -117,3 +117,6 @@ def test_processor_replaced_after_enable_raises(results):
         assert "was replaced after enable_sequence_parallel" in v["error"], (rank, v["error"])
         assert "FusedCogVideoXAttnProcessor2_0" in v["error"], v["error"]
         assert_close(v["fused_before_enable"], f"P={P} rank {rank}: fused before enabling")
+        assert_close(v["after_disable"], f"P={P} rank {rank}: after disable, fused")
+        assert_close(v["after_unfuse"], f"P={P} rank {rank}: after disable, unfused")
+        assert v["leftover"] == [], v["leftover"]
