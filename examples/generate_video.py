@@ -24,6 +24,7 @@ spreads the prompts over the replicas; prompt i is written once, to <output stem
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -113,6 +114,10 @@ def checked_output(path: str) -> str:
         return path + ".mp4"
     if suffix not in VIDEO_SUFFIXES:
         raise SystemExit(f"--output {path!r}: unknown video format {suffix!r}; use one of {VIDEO_SUFFIXES}")
+    if suffix != ".gif" and importlib.util.find_spec("imageio_ffmpeg") is None:
+        # export_to_video needs imageio's ffmpeg plugin; without it the write failed after generating.
+        raise SystemExit(f"--output {path!r}: writing {suffix} needs imageio-ffmpeg (pip install imageio-ffmpeg, "
+                         f"installed with this package), or use a .gif output")
     return path
 
 

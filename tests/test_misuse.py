@@ -155,3 +155,15 @@ def test_copy_engine_availability_reasons(monkeypatch):
     assert copy_engine.copy_engine_unavailable_reason(group) is None
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert "not set" in copy_engine.copy_engine_unavailable_reason(group)
+
+
+def test_example_refuses_video_without_its_writer(monkeypatch):
+    """Without imageio-ffmpeg an .mp4 failed only after the whole generation (seen on a GPU machine):
+    refused up front; .gif needs no ffmpeg."""
+    example = _example()
+    real = example.importlib.util.find_spec
+    monkeypatch.setattr(example.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "imageio_ffmpeg" else real(name, *a))
+    with pytest.raises(SystemExit, match="needs imageio-ffmpeg"):
+        example.checked_output("out/video.mp4")
+    assert example.checked_output("out/video.gif") == "out/video.gif"
