@@ -42,7 +42,7 @@ class _InstalledModel:
     model: torch.nn.Module
     state: SequenceState
     hooks: list
-    processors: list  # (attention module, original processor, original inner backend, our processor)
+    processors: list  # (name, attention module, original processor, original inner backend, our processor)
 
 
 @dataclass
@@ -96,8 +96,8 @@ class SequenceParallelHandle:
         """Restores the original processors and removes every hook; outputs are then the model's own."""
         for installed in self._models:
             remove_hooks(installed.hooks)
-            originals = {id(wrapper): original for _, original, _, wrapper in installed.processors}
-            for module, original, backend, wrapper in installed.processors:
+            originals = {id(wrapper): original for _, _, original, _, wrapper in installed.processors}
+            for _, module, original, backend, wrapper in installed.processors:
                 # A processor replaced since enabling (fuse_qkv_projections(), set_attn_processor) is
                 # the user's change: it stays.
                 if getattr(module, "processor", None) is wrapper:
@@ -155,11 +155,9 @@ def _check_same_on_all_ranks(group: SPGroup, fingerprint: dict) -> None:
         return
     gathered = [None] * group.world_size
     dist.all_gather_object(gathered, fingerprint, group=group.group)
-    missing = "(not checked on this rank)"  # ranks on different paths may send different keys
-    keys = list(dict.fromkeys(k for g in gathered for k in g))
-    differ = [k for k in keys if any(g.get(k, missing) != gathered[0].get(k, missing) for g in gathered)]
+    differ = [k for k in fingerprint if any(g[k] != gathered[0][k] for g in gathered)]
     if differ:
-        detail = "; ".join(f"{k}: " + ", ".join(f"rank {i} {g.get(k, missing)!r}" for i, g in enumerate(gathered))
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {i} {g[k]!r}" for i, g in enumerate(gathered))
                            for k in differ)
         raise SequenceParallelConfigError(
             "ranks disagree on the pipeline or mode to parallelize (every rank must load the same model "
@@ -213,13 +211,13 @@ def _check_no_cache(model) -> None:
         raise SequenceParallelConfigError(_CACHE_CONFLICT.format(name=type(model).__name__, model=type(model).__name__))
 
 
-def _check_model(model, wrapped: list) -> None:
+def _check_model(model, processors: list) -> None:
     """Raises SequenceParallelConfigError (the same on every rank: all ranks make the same calls) when
     ``model`` was changed after enabling in a way sequence parallelism cannot follow: a Diffusers cache
-    enabled, or an attention processor replaced (``wrapped``: ``(name, module, our processor)``).
-    Run by the split hooks before every split."""
+    enabled, or an attention processor replaced (``processors``: the model's
+    ``_InstalledModel.processors``). Run by the split hooks before every split."""
     _check_no_cache(model)
-    for name, module, processor in wrapped:
+    for name, module, _, _, processor in processors:
         if getattr(module, "processor", None) is not processor:
             raise SequenceParallelConfigError(
                 f"{type(model).__name__}: the attention processor of {name} was replaced after "
@@ -435,10 +433,10 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         group = pgroups.sp
     # The transport also depends on each rank's environment (launcher variables, peer access): its
     # verdict, or its refusal, is shared within the SP group so that no rank raises alone.
+    kv_first = family.self_attention_kv_first if opts["overlap_query_projection"] else None
     try:
-        transport, refusal = _resolve_transport(
-            opts["sp_transport"], resolved, group, traits,
-            kv_first=family.self_attention_kv_first is not None and opts["overlap_query_projection"]), None
+        transport, refusal = _resolve_transport(opts["sp_transport"], resolved, group, traits,
+                                                kv_first=kv_first is not None), None
     except SequenceParallelConfigError as exc:
         transport, refusal = None, str(exc)
     _check_same_on_all_ranks(group, {"sp_transport (resolved)": transport if refusal is None else f"refused: {refusal}"})
@@ -456,11 +454,11 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         replica_group = pgroups.replica  # every rank working on the same sample
     processor_cls = PROCESSORS[resolved]
     for index, ((_, model), model_traits) in enumerate(zip(models, traits.models)):
+        processors = []  # filled below; the check before every split reads it
         # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
         state = SequenceState(group, extra={"joint_text": model_traits.joint_text},
-                              check=functools.partial(_check_no_cache, model))
-        wrapped = []  # (name, attention module, our processor), for the check before every split
-        installed = _InstalledModel(model, state, hooks=[], processors=[])
+                              check=functools.partial(_check_model, model, processors))
+        installed = _InstalledModel(model, state, hooks=[], processors=processors)
         handle._models.append(installed)
         installed.hooks = apply_plan(model, family.sharding_plan(model), state)
         if vsa is not None:
@@ -477,7 +475,6 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 # which the wrapper catches.
                 inner._attention_backend = "native"
             if vsa is None:
-                kv_first = family.self_attention_kv_first if opts["overlap_query_projection"] else None
                 processor = processor_cls(inner, state, kernel=opts["attention_kernel"], transport=transport,
                                           head_groups=groups_opt, kv_first=kv_first)
             else:
@@ -485,9 +482,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 processor = VideoSparseAttnProcessor(inner, state, sparsity=vsa["sparsity"], sp_mode=vsa["sp_mode"],
                                                      gate=gate)
             _set_processor(module, processor)
-            installed.processors.append((module, inner, backend, processor))
-            wrapped.append((name, module, processor))
-        state.check = functools.partial(_check_model, model, wrapped)
+            installed.processors.append((name, module, inner, backend, processor))
         setattr(model, _HANDLE_ATTR, handle)
     if layout.cfg_degree == 2:
         handle._cfg_hooks = _cfg.install(target, family.name, models, pgroups, handle)
