@@ -108,10 +108,10 @@ def checked_output(path: str) -> str:
         SystemExit: an unknown video suffix, before any work, on every rank alike.
     """
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
-        return os.path.join(path, "video.mp4")
+        path = os.path.join(path, "video.mp4")
+    elif not os.path.splitext(path)[1]:
+        path += ".mp4"
     suffix = os.path.splitext(path)[1].lower()
-    if not suffix:
-        return path + ".mp4"
     if suffix not in VIDEO_SUFFIXES:
         raise SystemExit(f"--output {path!r}: unknown video format {suffix!r}; use one of {VIDEO_SUFFIXES}")
     if suffix != ".gif" and importlib.util.find_spec("imageio_ffmpeg") is None:

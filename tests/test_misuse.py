@@ -164,6 +164,7 @@ def test_example_refuses_video_without_its_writer(monkeypatch):
     real = example.importlib.util.find_spec
     monkeypatch.setattr(example.importlib.util, "find_spec",
                         lambda name, *a: None if name == "imageio_ffmpeg" else real(name, *a))
-    with pytest.raises(SystemExit, match="needs imageio-ffmpeg"):
-        example.checked_output("out/video.mp4")
+    for path in ("out/video.mp4", "out/", "clip"):  # the last two become .mp4 files too
+        with pytest.raises(SystemExit, match="needs imageio-ffmpeg"):
+            example.checked_output(path)
     assert example.checked_output("out/video.gif") == "out/video.gif"
