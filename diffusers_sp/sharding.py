@@ -68,6 +68,16 @@ class TokenOrder:
     sizes: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class SplitByDims:
+    """A plan entry for an argument a model accepts in several layouts: ``options`` are
+    ``ContextParallelInput`` specs with different ``expected_dims``; the one matching the tensor's
+    number of dims splits it (none: it passes whole). E.g. Flux's ``img_ids``, ``[S, 3]`` or the
+    deprecated ``[B, S, 3]``."""
+
+    options: tuple
+
+
 @dataclass
 class SequenceState:
     """Per-model state shared by the sharding hooks and the attention processors.
@@ -75,7 +85,9 @@ class SequenceState:
     Attributes:
         group: The sequence-parallel group.
         seq_len: Full (unsplit) length S of the sequence split in the current forward, set by the
-            split hooks; ``None`` before the first split.
+            split hooks; ``None`` before the forward's first split (reset by
+            :class:`SequenceForwardHook` when the model's forward begins).
+        seq_source: What set :attr:`seq_len` (for error messages).
         extra: Family-specific per-forward values (for example the text length of joint attention).
         order: ``None`` (shards of the sequence as it is) or a :class:`TokenOrder` for the current
             forward, set by a hook of the mode that needs it (VSA).
@@ -85,6 +97,7 @@ class SequenceState:
 
     group: SPGroup
     seq_len: int | None = None
+    seq_source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     order: TokenOrder | None = None
     check: Callable[[], None] | None = None
@@ -130,7 +143,16 @@ class SequenceSplitHook(ModelHook):
                 f"{list(x.shape)}, dim {spec.split_dim}); use fewer ranks or a larger latent (height, width or "
                 f"frames).{broadcast}"
             )
+        if self.state.seq_len is not None and length != self.state.seq_len:
+            # Every rank holds the same full inputs, so every rank raises here alike; splitting anyway
+            # would hand ranks shards that disagree (a shape error on some ranks while the others wait
+            # in a collective) or, for a length that happens to divide, silently wrong values.
+            raise SequenceParallelConfigError(
+                f"inputs disagree on the sequence length: {self.state.seq_source} has {self.state.seq_len} "
+                f"entries, while {what} of shape {list(x.shape)} has {length} along dim {spec.split_dim}. "
+                f"Every tensor split along the sequence needs one entry per token.")
         self.state.seq_len = length
+        self.state.seq_source = f"{what} of shape {list(x.shape)} (dim {spec.split_dim})"
         order = self.state.order
         if order is None:
             return shard(x, spec.split_dim, group.rank, group.world_size)
@@ -162,6 +184,9 @@ class SequenceSplitHook(ModelHook):
         return tuple(args), kwargs
 
     def _split_value(self, value, spec, what: str = "a tensor"):
+        if isinstance(spec, SplitByDims):
+            chosen = next((o for o in spec.options if torch.is_tensor(value) and value.ndim == o.expected_dims), None)
+            return value if chosen is None else self._split(value, chosen, what)
         if isinstance(spec, (list, tuple)):
             if not isinstance(value, (list, tuple)):  # e.g. an optional RoPE tuple passed as None
                 return value
@@ -177,6 +202,34 @@ class SequenceSplitHook(ModelHook):
         for index, spec in out_specs.items():
             items[index] = self._split(items[index], spec, f"output {index} of {type(module).__name__}")
         return items[0] if single else type(output)(items)
+
+
+class SequenceForwardHook(ModelHook):
+    """Marks the start of the model's forward: forgets the previous forward's sequence length, so
+    that every split of this forward is checked against the first one (see :class:`SequenceSplitHook`),
+    and refuses the forward arguments in ``refuse`` (``{name: why}``) when they are not ``None``.
+    Registered on the model after the plan's hooks, so its pre-forward runs before theirs."""
+
+    def __init__(self, state: SequenceState, refuse: dict | None = None):
+        super().__init__()
+        self.state = state
+        self.refuse = dict(refuse or {})
+        self._params: list[str] = []
+
+    def initialize_hook(self, module):
+        self._params = _forward_parameters(module)
+        return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.state.seq_len, self.state.seq_source = None, ""
+        for name, why in self.refuse.items():
+            i = self._params.index(name) if name in self._params else len(args)
+            value = kwargs.get(name, args[i] if i < len(args) else None)
+            if value is not None:
+                raise SequenceParallelConfigError(
+                    f"{type(module).__name__}: argument {name!r} ({why}) is not supported under sequence "
+                    f"parallelism; call the model without it, or disable sequence parallelism.")
+        return args, kwargs
 
 
 class SequenceGatherHook(ModelHook):
@@ -209,8 +262,11 @@ def _submodules(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
     return [model.get_submodule(name)]
 
 
-def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState) -> list[tuple[torch.nn.Module, str]]:
-    """Registers split/gather hooks for ``plan`` on ``model``'s submodules.
+def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState,
+               refuse: dict | None = None) -> list[tuple[torch.nn.Module, str]]:
+    """Registers split/gather hooks for ``plan`` on ``model``'s submodules, and a
+    :class:`SequenceForwardHook` on ``model`` (outermost of these, so it runs first) that refuses the
+    forward arguments named in ``refuse`` (``{name: why}``).
 
     Returns:
         ``(module, hook name)`` pairs, for :func:`remove_hooks`.
@@ -219,6 +275,18 @@ def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState) -> list
         SequenceParallelConfigError: a plan entry names a submodule the model does not have.
     """
     installed = []
+    try:
+        _register_plan(model, plan, state, installed)
+        hook_name = f"{HOOK_PREFIX}_forward"
+        HookRegistry.check_if_exists_or_initialize(model).register_hook(SequenceForwardHook(state, refuse), hook_name)
+        installed.append((model, hook_name))
+    except BaseException:
+        remove_hooks(installed)  # none of the plan stays half-registered
+        raise
+    return installed
+
+
+def _register_plan(model, plan, state, installed: list) -> None:
     for name, entry in plan.items():
         try:
             modules = _submodules(model, name)
@@ -236,7 +304,6 @@ def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState) -> list
         for module in modules:
             HookRegistry.check_if_exists_or_initialize(module).register_hook(make(), hook_name)
             installed.append((module, hook_name))
-    return installed
 
 
 def remove_hooks(installed: list[tuple[torch.nn.Module, str]]) -> None:

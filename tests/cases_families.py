@@ -130,6 +130,20 @@ def case_transformer_flux():
     return _forward_all_modes(model, kwargs)
 
 
+def case_transformer_flux_3d_ids():
+    """Flux with the deprecated ``[B, S, 3]`` ids that Diffusers still accepts (its forward takes
+    ``ids[0]``): the 3-D ``img_ids`` passed unsplit and each rank's RoPE covered every image token, a
+    shape error in attention whose sizes differed per rank (review, seventh session)."""
+    g = _gen()
+    model = tm.tiny_flux_transformer(guidance_embeds=True)
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(5.0), torch.arange(7.0), indexing="ij"),
+                      -1).reshape(1, -1, 3)
+    kwargs = dict(hidden_states=torch.randn(1, 35, 4, generator=g), encoder_hidden_states=torch.randn(1, 7, 32, generator=g),
+                  pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
+                  guidance=torch.tensor([3.5]), img_ids=ids, txt_ids=torch.zeros(1, 7, 3))
+    return _forward_all_modes(model, kwargs)
+
+
 def case_transformer_hunyuan_video_ragged_prompts():
     g = _gen()
     model = tm.tiny_hunyuan_video_transformer()

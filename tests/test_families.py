@@ -17,7 +17,7 @@ MODES = ("ulysses", "kv_gather")
 TOKENS = 35  # image/video tokens of every case: divides neither 2 nor 3
 
 FAMILIES = ("flux", "sd3", "hunyuan_video", "qwenimage", "cogvideox", "ltx", "mochi")
-TRANSFORMER_CASES = ("flux", "hunyuan_video_ragged_prompts", "qwenimage_ragged_prompts", "cogvideox",
+TRANSFORMER_CASES = ("flux", "flux_3d_ids", "hunyuan_video_ragged_prompts", "qwenimage_ragged_prompts", "cogvideox",
                      "cogvideox_rope", "ltx_ragged_prompts", "mochi_ragged_prompts", "sd3")
 
 

@@ -6,7 +6,7 @@ and models up in; the README's table of supported pipelines is checked against i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -41,6 +41,9 @@ class FamilySpec:
             K and V before Q, so that the K/V transfer of either dense mode overlaps the query's work
             (``overlap_query_projection``; see
             :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`, ``kv_first``).
+        unsupported_inputs: ``{forward argument: what it is}``: arguments the family's plan does not
+            split (e.g. ControlNet residuals over every image token); a forward passing one that is
+            not ``None`` raises SequenceParallelConfigError on every rank, before any collective.
     """
 
     name: str
@@ -56,6 +59,7 @@ class FamilySpec:
     modes: tuple[str, ...] = ("ulysses", "kv_gather")
     latent_grid: Callable | None = None
     self_attention_kv_first: Callable | None = None
+    unsupported_inputs: dict = field(default_factory=dict)
 
     def model_traits(self, model: torch.nn.Module, attribute: str) -> ModelTraits:
         """The :class:`~diffusers_sp.traits.ModelTraits` of ``model`` (held as ``attribute`` by its

@@ -9,16 +9,24 @@ exactly ``[text; this rank's image tokens]``.
 Sharding plan: derived from the model's Diffusers ``_cp_plan`` by dropping its text entries
 (``encoder_hidden_states`` and ``txt_ids``, which Diffusers shards and we keep replicated): split
 ``hidden_states`` (``[B, S, C]``, dim 1) and ``img_ids`` (``[S, 3]``, dim 0) at the model input,
-gather ``proj_out``. Guidance, timestep and pooled projections stay whole.
+gather ``proj_out``. Guidance, timestep and pooled projections stay whole. Diffusers still accepts
+the deprecated ``[B, S, 3]`` ids (its forward takes ``ids[0]``): such ``img_ids`` are split along
+dim 1 (:class:`~diffusers_sp.sharding.SplitByDims`), 3-D ``txt_ids`` pass whole.
+
+ControlNet residuals (``controlnet_block_samples``, ``controlnet_single_block_samples``) hold every
+image token and are not split: a forward that passes them is refused (see :data:`FLUX`).
 """
 
 from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
+from ..sharding import SplitByDims
 from . import FamilySpec, plan_without
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "txt_ids")}
+_IMG_IDS = SplitByDims((ContextParallelInput(split_dim=0, expected_dims=2, split_output=False),
+                        ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)))
 # Our plan, used when a model lacks ``_cp_plan`` (the 0.42 plan minus its text entries).
 _FLUX_PLAN = {
     "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
@@ -35,7 +43,10 @@ def flux_patch_size(model) -> tuple[int, ...]:
 def flux_sharding_plan(model) -> dict:
     """The model's ``_cp_plan`` without its text entries (see the module docstring)."""
     plan = getattr(model, "_cp_plan", None)
-    return plan_without(plan, _TEXT_ENTRIES) if plan else dict(_FLUX_PLAN)
+    plan = plan_without(plan, _TEXT_ENTRIES) if plan else dict(_FLUX_PLAN)
+    if "img_ids" in plan.get("", {}):
+        plan[""] = {**plan[""], "img_ids": _IMG_IDS}
+    return plan
 
 
 def flux_attention_modules(model) -> list:
@@ -54,4 +65,6 @@ FLUX = FamilySpec(
     attention_modules=flux_attention_modules,
     joint_text="prefix",
     text_mask=False,
+    unsupported_inputs={"controlnet_block_samples": "ControlNet residuals",
+                        "controlnet_single_block_samples": "ControlNet residuals"},
 )

@@ -58,4 +58,5 @@ QWENIMAGE = FamilySpec(
     attention_modules=qwenimage_attention_modules,
     joint_text="prefix",
     text_mask=True,
+    unsupported_inputs={"controlnet_block_samples": "ControlNet residuals"},
 )

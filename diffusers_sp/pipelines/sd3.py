@@ -51,4 +51,5 @@ SD3 = FamilySpec(
     attention_modules=sd3_attention_modules,
     joint_text="suffix",
     text_mask=False,
+    unsupported_inputs={"block_controlnet_hidden_states": "ControlNet residuals"},
 )

@@ -192,6 +192,45 @@ def _specialize(cls, inner_cls):
     return cache[inner_cls]
 
 
+_NO_BACKWARD = (
+    "diffusers-sp's sequence-parallel attention is inference-only: no gradient flows through its "
+    "all-to-all / all-gather exchanges. Run the model under torch.no_grad() or torch.inference_mode() "
+    "(pipelines do), or call disable() on the handle of enable_sequence_parallel to train.")
+
+
+class _NoBackward(torch.autograd.Function):
+    """Identity on ``outputs`` whose backward raises: marks a processor output computed without
+    autograd as depending on ``anchors`` (the inputs and parameters that require grad), so that a
+    backward pass through it fails loudly instead of returning wrong gradients."""
+
+    @staticmethod
+    def forward(ctx, count, *tensors):
+        return tuple(t.clone() for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_NO_BACKWARD)
+
+
+def _without_backward(out, attn, args, kwargs):
+    """``out`` (a tensor or a tuple holding tensors) passed through :class:`_NoBackward` when any
+    tensor input (also inside tuples and lists, such as RoPE tables) or parameter of ``attn`` requires
+    grad; else ``out`` unchanged."""
+    anchors = [p for p in attn.parameters() if p.requires_grad]
+    for value in list(args) + list(kwargs.values()):
+        for t in (value if isinstance(value, (tuple, list)) else (value,)):
+            if torch.is_tensor(t) and t.requires_grad:
+                anchors.append(t)
+    if not anchors:
+        return out
+    items = [out] if torch.is_tensor(out) else list(out)
+    where = [i for i, t in enumerate(items) if torch.is_tensor(t)]
+    marked = _NoBackward.apply(len(where), *[items[i] for i in where], *anchors)
+    for i, t in zip(where, marked):
+        items[i] = t
+    return items[0] if torch.is_tensor(out) else type(out)(items)
+
+
 class SequenceParallelAttnProcessor:
     """Base class: wraps a Diffusers attention processor and takes over its attention call.
 
@@ -216,6 +255,9 @@ class SequenceParallelAttnProcessor:
     :meth:`finish_attention` (setting :attr:`supports_kv_first`). Tensors seen by it are ``[B, H, T + S_r, D]``
     (Diffusers' SDPA layout): ``T`` replicated text tokens (0 without joint text) and this rank's
     shard of ``S_r`` image tokens, in the family's order.
+
+    Inference only: with grad mode on, the call runs under ``torch.no_grad()`` and its output, when
+    any input or parameter requires grad, gets a backward that raises RuntimeError.
     """
 
     strategy = "base"
@@ -243,6 +285,15 @@ class SequenceParallelAttnProcessor:
         return self.transport == "copy_engine" and query.is_cuda and not torch.compiler.is_compiling()
 
     def _run(self, attn, *args, **kwargs):
+        if torch.is_grad_enabled():
+            # Inference only: the exchanges carry no gradient, so the call runs without autograd
+            # (which also saves the memory of its graph), and the output gets a backward that raises.
+            with torch.no_grad():
+                out = self._run_parallel(attn, *args, **kwargs)
+            return _without_backward(out, attn, args, kwargs)
+        return self._run_parallel(attn, *args, **kwargs)
+
+    def _run_parallel(self, attn, *args, **kwargs):
         if self.kv_first is not None:
             out = self.kv_first(self.inner, attn, args, kwargs, self._start_kv, self._finish_kv)
             if out is not NotImplemented:

@@ -68,12 +68,14 @@ def start_scatter_heads(tensors: list[torch.Tensor], sizes: list[int], group):
     unit = n * B * D
     send_sizes = [S_r * unit * h for h in heads]
     send = tensors[0].new_empty(sum(send_sizes))
-    start = 0
-    for chunk, h in zip(send.split(send_sizes), heads):
-        chunk = chunk.view(S_r, n, B, h, D)
+    start = offset = 0
+    for size, h in zip(send_sizes, heads):
+        # narrow, not split: a view from a multi-view op may not be written in place with grad on
+        chunk = send.narrow(0, offset, size).view(S_r, n, B, h, D)
         for i, t in enumerate(tensors):
             chunk[:, i].copy_(t[:, start:start + h].permute(2, 0, 1, 3))
         start += h
+        offset += size
     finish = start_all_to_all_flat(send, send_sizes, [s * unit * h_r for s in sizes], group)
 
     def views() -> list[torch.Tensor]:

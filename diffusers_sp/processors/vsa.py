@@ -70,10 +70,17 @@ def tile_plan(grid: tuple[int, int, int], tile: tuple[int, int, int], world_size
               device: torch.device = torch.device("cpu")) -> TilePlan:
     """The :class:`TilePlan` of ``grid`` cut into ``tile`` over ``world_size`` ranks, its index tensors
     on ``device``. Cached: built (and copied to the device) once per grid, not once per layer.
+    Built outside inference mode, so that a plan first made under ``torch.inference_mode()`` also
+    serves later calls with grad on (an inference tensor cannot be saved for backward).
 
     Raises:
         SequenceParallelConfigError: fewer tiles than ranks.
     """
+    with torch.inference_mode(False):
+        return _build_tile_plan(grid, tile, world_size, device)
+
+
+def _build_tile_plan(grid, tile, world_size, device) -> TilePlan:
     layout = make_tile_layout(grid, tile)
     if layout.num_tiles < world_size:
         raise SequenceParallelConfigError(
