@@ -83,9 +83,19 @@ class SequenceParallelHandle:
 
     def patch_attribute(self, obj, name: str, value) -> None:
         """Sets ``obj.name = value`` as an instance attribute (shadowing a method, e.g. a pipeline's
-        ``prepare_latents``) until :meth:`disable`, which deletes it again."""
+        ``prepare_latents``) until :meth:`disable`, which puts back the instance attribute the user had
+        set there before, or deletes ours so that the class attribute shows again."""
+        missing = object()
+        before = vars(obj).get(name, missing)
         setattr(obj, name, value)
-        self._undo.append(lambda: vars(obj).pop(name, None))
+
+        def undo():
+            if before is missing:
+                vars(obj).pop(name, None)
+            else:
+                setattr(obj, name, before)
+
+        self._undo.append(undo)
 
     @property
     def is_output_rank(self) -> bool:
@@ -95,7 +105,15 @@ class SequenceParallelHandle:
     def disable(self) -> None:
         """Restores the original processors and removes every hook; outputs are then the model's own."""
         for installed in self._models:
+            model = installed.model
+            # Accelerate's hook added after enabling (enable_model_cpu_offload) wraps our hooked forward
+            # and calls ``model._old_forward``; Diffusers' hook removal would overwrite its wrapper and
+            # leave ours in ``_old_forward``, to come back when the offload is re-applied. Keep the
+            # wrapper and point it at the unhooked forward instead.
+            accelerate_forward = vars(model).get("forward") if "_old_forward" in vars(model) else None
             remove_hooks(installed.hooks)
+            if accelerate_forward is not None:
+                model._old_forward, model.forward = model.forward, accelerate_forward
             originals = {id(wrapper): original for _, _, original, _, wrapper in installed.processors}
             for _, module, original, backend, wrapper in installed.processors:
                 # A processor replaced since enabling (fuse_qkv_projections(), set_attn_processor) is
@@ -126,8 +144,12 @@ class SequenceParallelHandle:
 def _models_of(target, family: FamilySpec) -> list[tuple[str, torch.nn.Module]]:
     if type(target).__name__ in family.model_classes:
         return [("", target)]
-    found = [(a, getattr(target, a, None)) for a in family.transformer_attributes]
-    found = [(a, m) for a, m in found if m is not None]
+    found, seen = [], set()
+    for attribute in family.transformer_attributes:
+        model = getattr(target, attribute, None)
+        if model is not None and id(model) not in seen:  # one module under two names (transformer_2 = transformer)
+            seen.add(id(model))
+            found.append((attribute, model))
     if not found:
         raise SequenceParallelConfigError(f"{type(target).__name__} has no transformer to parallelize.")
     for attribute, model in found:
@@ -184,13 +206,18 @@ def _broadcast_tree(value, group: SPGroup):
 
 
 def _patch_prepare_latents(pipe, group: SPGroup, handle: SequenceParallelHandle) -> None:
-    """Makes ``pipe.prepare_latents`` return rank 0's latents on every rank (one broadcast per call)."""
+    """Makes ``pipe.prepare_latents`` return rank 0's latents on every rank (one broadcast per call),
+    and first copies rank 0's global RNG states to every rank: pipelines call ``prepare_latents`` once,
+    before the denoising loop, so noise the scheduler draws from the global RNG in its steps (e.g.
+    ``CogVideoXDPMScheduler`` without a generator) is the same on every rank even if the ranks' RNGs
+    drifted apart between calls."""
     original = getattr(pipe, "prepare_latents", None)
     if original is None or group.world_size == 1:
         return
 
     @functools.wraps(original)
     def prepare_latents(*args, **kwargs):
+        _sync_rng_states(group)
         return _broadcast_tree(original(*args, **kwargs), group)
 
     handle.patch_attribute(pipe, "prepare_latents", prepare_latents)
@@ -200,15 +227,69 @@ def _patch_prepare_latents(pipe, group: SPGroup, handle: SequenceParallelHandle)
 # activations whether to skip blocks; under sequence parallelism each rank sees only its shard and
 # would decide differently, and the ranks' collectives would no longer match.
 _CACHE_CONFLICT = (
-    "{name}: {model} has a Diffusers cache enabled (enable_cache). Its skip decisions are taken on each "
+    "{model} has a Diffusers cache enabled (enable_cache or an apply_* cache function). Its skip decisions are taken on each "
     "rank's own shard of the tokens, so the ranks would disagree and their collectives desynchronise. "
-    "Call transformer.disable_cache() to use sequence parallelism, or run the cache without it.")
+    "Remove it (transformer.disable_cache()) to use sequence parallelism, or run the cache without it.")
 
 
-def _check_no_cache(model) -> None:
-    """Raises SequenceParallelConfigError when a Diffusers cache was enabled after sequence parallelism."""
-    if getattr(model, "is_cache_enabled", False):
-        raise SequenceParallelConfigError(_CACHE_CONFLICT.format(name=type(model).__name__, model=type(model).__name__))
+def _check_processors(model, family) -> None:
+    """Raises SequenceParallelConfigError when a self-attention module of ``model`` runs an IP-Adapter
+    processor (Diffusers' ``FluxIPAdapterAttnProcessor``, ``SD3IPAdapterJointAttnProcessor2_0``, ...).
+
+    Such a processor makes a second attention call, from the image queries to the image-prompt tokens;
+    the wrapper would take it for the self-attention (on a rank whose shard happens to be as long as
+    the image prompt) and enter a collective that the other ranks never join.
+    """
+    for name, module in family.attention_modules(model):
+        cls = type(getattr(module, "processor", None)).__name__
+        if "IPAdapter" in cls:
+            raise SequenceParallelConfigError(
+                f"{type(model).__name__}: {name} runs {cls}; IP-Adapter attention is not supported under "
+                "sequence parallelism. Call the pipeline's unload_ip_adapter() before enabling, or run "
+                "without sequence parallelism.")
+
+
+# Modules of diffusers.hooks whose hooks are such caches: applied through CacheMixin.enable_cache
+# (``is_cache_enabled``) or directly with their apply_* functions, as Diffusers' docs also show.
+_CACHE_HOOK_MODULES = ("first_block_cache", "mag_cache", "taylorseer_cache", "faster_cache",
+                       "pyramid_attention_broadcast", "sea_cache")
+# Accelerate's hooks (model / sequential CPU offload, device maps): enable_model_cpu_offload re-wraps
+# the transformer's forward after every pipeline call and drops the hooks registered on it.
+_OFFLOAD_CONFLICT = (
+    "{model} carries Accelerate hooks (enable_model_cpu_offload(), enable_sequential_cpu_offload() "
+    "or a device_map), which re-wrap its forward after every call and drop the sequence-parallel hooks. "
+    "Remove them (pipe.remove_all_hooks()) and move the pipeline to this rank's device; group offloading "
+    "(transformer.enable_group_offload) works with sequence parallelism.")
+
+
+def _uses_cache_hooks(model, deep: bool) -> bool:
+    """Whether a Diffusers cache hook sits on ``model``: on any submodule (``deep``) or, cheaply enough
+    for every forward, on the model, its blocks and their direct children (where those caches go)."""
+    if deep:
+        modules = list(model.modules())
+    else:
+        modules = [model]
+        for child in model.children():
+            if isinstance(child, torch.nn.ModuleList):
+                for block in child:
+                    modules.append(block)
+                    modules.extend(block.children())
+    for module in modules:
+        registry = getattr(module, "_diffusers_hook", None)
+        for hook in getattr(registry, "hooks", {}).values():
+            if type(hook).__module__.rsplit(".", 1)[-1] in _CACHE_HOOK_MODULES:
+                return True
+    return False
+
+
+def _check_no_cache(model, deep: bool = False) -> None:
+    """Raises SequenceParallelConfigError when a Diffusers cache (``enable_cache`` or an ``apply_*``
+    cache function) or Accelerate's offload hooks are on ``model`` (see :func:`_uses_cache_hooks`)."""
+    name = type(model).__name__
+    if getattr(model, "is_cache_enabled", False) or _uses_cache_hooks(model, deep):
+        raise SequenceParallelConfigError(_CACHE_CONFLICT.format(model=name))
+    if getattr(model, "_hf_hook", None) is not None:
+        raise SequenceParallelConfigError(_OFFLOAD_CONFLICT.format(model=name))
 
 
 def _check_model(model, processors: list) -> None:
@@ -388,10 +469,10 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                             cfg_capable=family.name in _cfg.TWO_CALL_FAMILIES + _cfg.BATCHED_FAMILIES,
                             process_group=process_group)
     resolved = validate_mode(mode, traits, layout.sp_degree)
-    cached = [type(m).__name__ for _, m in models if getattr(m, "is_cache_enabled", False)]
-    if cached:
-        raise SequenceParallelConfigError(_CACHE_CONFLICT.format(name=traits.name, model=cached[0]))
-    vsa = None
+    for _, model in models:
+        _check_no_cache(model, deep=True)
+        _check_processors(model, family)
+    vsa = gate_error = None
     stray = sorted(k for k in VSA_DEFAULTS if k in options and resolved != "vsa")
     if stray:
         raise SequenceParallelConfigError(
@@ -402,9 +483,15 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             traits, layout.sp_degree, sparsity=opts["vsa_sparsity"], tile_size=opts["vsa_tile_size"],
             sp_mode=opts["vsa_sp_mode"], has_latent_grid=family.latent_grid is not None)
         paths = _gate_paths(opts["vsa_gate_weights"], traits)
-        # Every rank reads the files before any collective, so a bad file fails everywhere alike.
-        gates = [None if path is None else load_gate_weights(path, mt.num_attention_layers, mt.num_heads * mt.head_dim)
-                 for path, mt in zip(paths, traits.models)]
+        # Every rank reads the files before any collective. A file that only some ranks can read (a
+        # path missing on one host) must not fail on those alone: the outcome is compared over the
+        # launch with the options below, and raised after that on every rank.
+        try:
+            gates = [None if path is None else load_gate_weights(path, mt.num_attention_layers, mt.num_heads * mt.head_dim)
+                     for path, mt in zip(paths, traits.models)]
+        except Exception as exc:  # noqa: BLE001 - any reader error (missing file, bad safetensors) is shared
+            gates, gate_error = None, exc if isinstance(exc, SequenceParallelConfigError) else \
+                SequenceParallelConfigError(f"vsa_gate_weights: {type(exc).__name__}: {exc}")
         vsa = dict(sparsity=sparsity, tile=tile, sp_mode=sp_mode, gates=gates)
     if parallel_vae:
         from .vae import check_parallel_vae
@@ -421,9 +508,12 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         "overlap_query_projection": opts["overlap_query_projection"],
         "vsa": None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"], opts["vsa_gate_weights"] is not None),
         "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
-        "parallel_vae": bool(parallel_vae)}
+        "parallel_vae": bool(parallel_vae),
+        "vsa_gate_weights (read)": "ok" if gate_error is None else f"failed: {gate_error}"}
     launch = resolve_group(process_group)
     _check_same_on_all_ranks(launch, agree)
+    if gate_error is not None:
+        raise gate_error
     if layout.trivial:
         group, pgroups = launch, None
     else:
@@ -452,7 +542,32 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         handle.replica_index, handle.num_replicas = pgroups.replica_index, pgroups.num_replicas
         handle.cfg_rank, handle.cfg_degree = pgroups.cfg_rank, pgroups.cfg_degree
         replica_group = pgroups.replica  # every rank working on the same sample
-    processor_cls = PROCESSORS[resolved]
+    try:
+        _install(handle, target, family, models, traits, vsa=vsa, opts=opts, kv_first=kv_first,
+                 layout=layout, parallel_vae=parallel_vae, replica_group=replica_group)
+    except BaseException:
+        handle.disable()  # nothing half-installed stays behind
+        raise
+    if group.rank == 0:
+        logger.info("diffusers-sp: %s with %s over %d rank(s)%s", traits.name,
+                    resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", group.world_size,
+                    " (transfers by copy engine)" if transport == "copy_engine" else "")
+        if not layout.trivial:
+            logger.info("diffusers-sp: %d replica(s) x cfg %d x sp %d%s", layout.num_replicas, layout.cfg_degree,
+                        layout.sp_degree, f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")
+    return handle
+
+
+def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, layout, parallel_vae,
+             replica_group) -> None:
+    """The installing part of :func:`enable_sequence_parallel`, after every check: hooks, processors,
+    CFG parallelism, parallel VAE, RNG and latents, each recorded on ``handle`` as it goes (so that
+    ``handle.disable()`` undoes a partial install)."""
+    from . import cfg_parallel as _cfg
+
+    group, transport, pgroups = handle.group, handle.transport, handle.groups
+    groups_opt = opts["overlap_head_groups"]
+    processor_cls = PROCESSORS[handle.mode]
     for index, ((_, model), model_traits) in enumerate(zip(models, traits.models)):
         processors = []  # filled below; the check before every split reads it
         # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
@@ -460,7 +575,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                               check=functools.partial(_check_model, model, processors))
         installed = _InstalledModel(model, state, hooks=[], processors=processors)
         handle._models.append(installed)
-        installed.hooks = apply_plan(model, family.sharding_plan(model), state)
+        installed.hooks = apply_plan(model, family.sharding_plan(model), state, refuse=family.unsupported_inputs)
         if vsa is not None:
             # Registered last, so its pre-forward runs first and sets the tile order for the splits.
             hook_name = "diffusers_sp_vsa_tile_order"
@@ -470,10 +585,6 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         for layer, (name, module) in enumerate(family.attention_modules(model)):
             inner = module.processor
             backend = getattr(inner, "_attention_backend", None)
-            if hasattr(inner, "_attention_backend"):
-                # dispatch_attention_fn with the native backend ends in F.scaled_dot_product_attention,
-                # which the wrapper catches.
-                inner._attention_backend = "native"
             if vsa is None:
                 processor = processor_cls(inner, state, kernel=opts["attention_kernel"], transport=transport,
                                           head_groups=groups_opt, kv_first=kv_first)
@@ -481,8 +592,12 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                 gate = vsa["gates"][index][layer] if vsa["gates"][index] is not None else None
                 processor = VideoSparseAttnProcessor(inner, state, sparsity=vsa["sparsity"], sp_mode=vsa["sp_mode"],
                                                      gate=gate)
-            _set_processor(module, processor)
             installed.processors.append((name, module, inner, backend, processor))
+            if hasattr(inner, "_attention_backend"):
+                # dispatch_attention_fn with the native backend ends in F.scaled_dot_product_attention,
+                # which the wrapper catches.
+                inner._attention_backend = "native"
+            _set_processor(module, processor)
         setattr(model, _HANDLE_ATTR, handle)
     if layout.cfg_degree == 2:
         handle._cfg_hooks = _cfg.install(target, family.name, models, pgroups, handle)
@@ -495,14 +610,6 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         _sync_rng_states(replica_group)
         _patch_prepare_latents(target, replica_group, handle)
     setattr(target, _HANDLE_ATTR, handle)
-    if group.rank == 0:
-        logger.info("diffusers-sp: %s with %s over %d rank(s)%s", traits.name,
-                    resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", group.world_size,
-                    " (transfers by copy engine)" if transport == "copy_engine" else "")
-        if not layout.trivial:
-            logger.info("diffusers-sp: %d replica(s) x cfg %d x sp %d%s", layout.num_replicas, layout.cfg_degree,
-                        layout.sp_degree, f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")
-    return handle
 
 
 def disable_sequence_parallel(target) -> None:

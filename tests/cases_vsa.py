@@ -117,3 +117,47 @@ def case_error_vsa_too_few_tiles():
     finally:
         handle.disable()
     return "no error"
+
+
+def case_vsa_plan_first_made_under_inference_mode():
+    """The tile plan is cached per grid for the process; one first made under torch.inference_mode()
+    held inference tensors, and every later forward of that grid with grad on raised "Inference tensors
+    cannot be saved for backward" (review, seventh session). A grid no other case uses: 3 x 10 x 14."""
+    x, t, e = _inputs()
+    kwargs = dict(hidden_states=x[:, :, :3], timestep=t, encoder_hidden_states=e)
+    model = tiny_wan_transformer()
+    ref = _vsa_run(model, kwargs, _solo_group(), vsa_sparsity=0.5, vsa_sp_mode="kv_gather")
+    handle = enable_sequence_parallel(model, mode="vsa", vsa_sparsity=0.5, vsa_sp_mode="kv_gather")
+    try:
+        with torch.inference_mode():
+            first = model(**kwargs).sample.clone()
+        grad_on = model(**kwargs).sample.detach()  # grad mode, parameters requiring grad
+    finally:
+        handle.disable()
+    return {"inference_mode": compare(ref, first), "grad_mode": compare(ref, grad_on)}
+
+
+def case_error_gate_file_on_one_rank_only():
+    """A vsa_gate_weights file that only rank 0 can read (a path on one host's disk): the other ranks
+    raised alone and rank 0 waited in the enable-time check until the timeout (review, seventh
+    session). The outcome of reading is now compared with the options, so every rank raises."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from distributed import error_of
+
+    dim = 6 * 12
+    path = os.path.join(tempfile.gettempdir(), f"diffusers_sp_gate_{os.getppid()}.safetensors")
+    if dist.get_rank() == 0:
+        save_file({f"blocks.{i}.to_gate_compress.{n}": torch.zeros(*shape) for i in range(2)
+                   for n, shape in (("weight", (dim, dim)), ("bias", (dim,)))}, path)
+    else:
+        path += ".not_on_this_host"
+    try:
+        return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="vsa", vsa_gate_weights=path))
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.remove(path)

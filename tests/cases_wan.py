@@ -209,6 +209,76 @@ def case_error_timestep_b1():
         handle.disable()
 
 
+def case_transformer_grad_mode():
+    """With grad mode on (no torch.no_grad, parameters requiring grad), both dense modes give one
+    process's output; Ulysses failed with an in-place write into a view (review, seventh session).
+    A backward pass through the exchanges raises instead of returning wrong gradients."""
+    x, t, e = _inputs()
+    model = tiny_wan_transformer()
+    kwargs = dict(hidden_states=x, timestep=t, encoder_hidden_states=e)
+    ref = model(**kwargs).sample.detach()
+    results = {}
+    for mode in MODES:
+        for overlap in (True, False):
+            handle = enable_sequence_parallel(model, mode=mode, overlap_query_projection=overlap)
+            try:
+                out = model(**kwargs).sample
+                results[f"{mode} overlap={overlap}"] = compare(ref, out.detach())
+                try:
+                    out.sum().backward()
+                    results[f"{mode} overlap={overlap}"]["backward"] = "no error"
+                except RuntimeError as exc:
+                    results[f"{mode} overlap={overlap}"]["backward"] = str(exc)
+            finally:
+                handle.disable()
+    return results
+
+
+def _timestep_error(timestep) -> str:
+    x, _, e = _inputs(batch=1)
+    model = tiny_wan_transformer()
+    handle = enable_sequence_parallel(model, mode="kv_gather")
+    try:
+        with torch.no_grad():
+            return error_of(lambda: model(hidden_states=x, timestep=timestep, encoder_hidden_states=e[:1]))
+    finally:
+        handle.disable()
+
+
+def case_error_timestep_one_token_short():
+    """A per-token timestep one entry shorter than the video tokens: rank 0 got a shape error while the
+    other ranks waited in a collective until the timeout (review, seventh session)."""
+    return _timestep_error(torch.full((1, TOKENS - 1), 500.0))
+
+
+def case_error_timestep_one_per_rank():
+    """A timestep ``[1, P]`` split into ``[1, 1]`` per rank, which broadcasts: each rank ran with its
+    own timestep, silently (review, seventh session). One process raises on this input."""
+    return _timestep_error(torch.linspace(900.0, 100.0, dist.get_world_size()).view(1, -1))
+
+
+def case_pipeline_scheduler_noise_after_rng_drift():
+    """Ranks whose global RNGs drift apart after enable (here on purpose) still agree with one process
+    when the scheduler draws noise from the global RNG in its steps (a stochastic flow-matching
+    scheduler, no generator): the RNG is re-synchronised at every call (review, seventh session;
+    the ranks differed by up to 4.2 before)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe = tiny_wan_pipeline("t2v")
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True)
+    call = dict(CALL, prompt="a cat", negative_prompt="rain", num_inference_steps=3, output_type="latent")
+    torch.manual_seed(5)
+    torch.rand(1)  # what rank 0 draws below, so that the reference starts from rank 0's state
+    ref = torch.as_tensor(pipe(**call).frames)
+    handle = enable_sequence_parallel(pipe, mode="kv_gather")
+    try:
+        torch.manual_seed(5)
+        torch.rand(dist.get_rank() + 1)
+        return compare(ref, torch.as_tensor(pipe(**call).frames))
+    finally:
+        handle.disable()
+
+
 def case_group_usable_after_errors():
     """After every error case, the group still works: nothing was left half-way in a collective."""
     x = torch.ones(1) * (dist.get_rank() + 1)

@@ -168,3 +168,139 @@ def test_example_refuses_video_without_its_writer(monkeypatch):
         with pytest.raises(SystemExit, match="needs imageio-ffmpeg"):
             example.checked_output(path)
     assert example.checked_output("out/video.gif") == "out/video.gif"
+
+
+def test_cache_applied_directly_is_refused():
+    """apply_first_block_cache (the usage Diffusers' docs show) leaves is_cache_enabled False; it was
+    accepted, and the ranks skipped blocks on their own shards until gloo aborted (review, seventh
+    session). Refused at enable, and at the next forward when applied after enabling."""
+    from diffusers.hooks import apply_first_block_cache
+
+    model = tiny_wan_transformer()
+    apply_first_block_cache(model, FirstBlockCacheConfig(threshold=0.05))
+    assert not model.is_cache_enabled
+    with pytest.raises(SequenceParallelConfigError, match="Diffusers cache"):
+        enable_sequence_parallel(model, mode="kv_gather")
+    model = tiny_wan_transformer()
+    handle = enable_sequence_parallel(model, mode="kv_gather")
+    apply_first_block_cache(model, FirstBlockCacheConfig(threshold=0.05))
+    with torch.no_grad(), pytest.raises(SequenceParallelConfigError, match="Diffusers cache"):
+        model(**_kwargs())
+    handle.disable()
+
+
+def test_accelerate_hooks_refused_and_disable_leaves_them_working():
+    """enable_model_cpu_offload re-wraps the transformer after every call and dropped our hooks on it
+    (the TI2V pipeline then failed on its second call; review, seventh session). An Accelerate hook on
+    the model is refused at enable and at the next forward; disable() after one was added keeps it,
+    wrapped around the model's own forward (it brought our stale forward back before)."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    model = tiny_wan_transformer()
+    kwargs = _kwargs()
+    with torch.no_grad():
+        ref = model(**kwargs).sample
+    add_hook_to_module(model, ModelHook())
+    with pytest.raises(SequenceParallelConfigError, match="Accelerate hooks"):
+        enable_sequence_parallel(model, mode="kv_gather")
+    remove_hook_from_module(model)
+    handle = enable_sequence_parallel(model, mode="kv_gather")
+    add_hook_to_module(model, ModelHook())
+    with torch.no_grad(), pytest.raises(SequenceParallelConfigError, match="Accelerate hooks"):
+        model(**kwargs)
+    handle.disable()
+    with torch.no_grad():
+        assert torch.equal(model(**kwargs).sample, ref)  # through Accelerate's wrapper
+        remove_hook_from_module(model)  # what re-applying the offload does first
+        assert torch.equal(model(**kwargs).sample, ref)
+    assert "_diffusers_hook" not in vars(model) or not [
+        n for n in model._diffusers_hook.hooks if n.startswith("diffusers_sp")]
+    enable_sequence_parallel(model, mode="ulysses").disable()  # and it can be enabled again
+
+
+def test_ip_adapter_processor_refused_at_enable():
+    """An IP-Adapter processor makes a second attention call (to the image-prompt tokens); on ranks whose
+    shard was as long as the image prompt it was taken for the self-attention and entered a collective
+    the other ranks never joined (review, seventh session)."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    from diffusers_sp.tiny_models import tiny_flux_transformer
+
+    model = tiny_flux_transformer()
+    for block in model.transformer_blocks:
+        block.attn.set_processor(FluxIPAdapterAttnProcessor(hidden_size=48, cross_attention_dim=8, num_tokens=(4,)))
+    with pytest.raises(SequenceParallelConfigError, match="FluxIPAdapterAttnProcessor.*unload_ip_adapter"):
+        enable_sequence_parallel(model, mode="kv_gather")
+    assert all(type(b.attn.processor) is FluxIPAdapterAttnProcessor for b in model.transformer_blocks)
+
+
+@pytest.mark.parametrize("family,argument", [("flux", "controlnet_block_samples"),
+                                             ("sd3", "block_controlnet_hidden_states")])
+def test_controlnet_residuals_refused_at_forward(family, argument):
+    """ControlNet residuals hold every image token and are not split; they failed with a raw shape error
+    whose sizes differed per rank (review, seventh session)."""
+    from diffusers_sp import tiny_models
+
+    model = getattr(tiny_models, f"tiny_{family}_transformer")()
+    handle = enable_sequence_parallel(model, mode="kv_gather")
+    try:
+        with pytest.raises(SequenceParallelConfigError, match=f"argument '{argument}' \\(ControlNet residuals\\)"):
+            model(hidden_states=None, **{argument: [torch.zeros(1)]})
+    finally:
+        handle.disable()
+
+
+def test_failed_enable_leaves_nothing_behind(monkeypatch):
+    """An error while installing left processors and hooks in place and the handle on the transformer
+    only, so neither disable nor a new enable worked (review, seventh session)."""
+    from diffusers_sp import api, disable_sequence_parallel
+    from diffusers_sp.tiny_models import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline("t2v")
+    processor = type(pipe.transformer.blocks[0].attn1.processor)
+    monkeypatch.setattr(api, "_patch_prepare_latents", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        enable_sequence_parallel(pipe, mode="kv_gather")
+    assert type(pipe.transformer.blocks[0].attn1.processor) is processor
+    assert getattr(pipe.transformer, "_diffusers_hook", None) is None or not [
+        n for n in pipe.transformer._diffusers_hook.hooks if n.startswith("diffusers_sp")]
+    monkeypatch.undo()
+    enable_sequence_parallel(pipe, mode="kv_gather")
+    disable_sequence_parallel(pipe)
+
+
+def test_one_transformer_under_two_names_is_wrapped_once():
+    """A Wan 2.2 pipeline whose transformer_2 is its transformer got a raw "hook already exists" error,
+    half-enabled (review, seventh session)."""
+    from diffusers_sp.tiny_models import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline("t2v_moe")
+    pipe.transformer_2 = pipe.transformer
+    handle = enable_sequence_parallel(pipe, mode="kv_gather")
+    assert len(handle._models) == 1 and len(handle.traits.models) == 1
+    handle.disable()
+
+
+def test_disable_restores_the_users_instance_attributes():
+    """disable() deleted instance attributes it had shadowed, so a user's own pipe.prepare_latents (or
+    encode_prompt, vae.tiled_decode) was lost (review, seventh session)."""
+    from diffusers_sp.tiny_models import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline("t2v")
+    mine = lambda *a, **k: "mine"  # noqa: E731
+    pipe.prepare_latents = mine
+    handle = enable_sequence_parallel(pipe, mode="kv_gather")
+    handle.patch_attribute(pipe, "prepare_latents", lambda *a, **k: "ours")
+    handle.patch_attribute(pipe, "encode_prompt", lambda *a, **k: "ours")
+    handle.disable()
+    assert pipe.prepare_latents is mine
+    assert "encode_prompt" not in vars(pipe)  # the class method shows again
+
+
+def test_example_output_under_a_file_refused(tmp_path):
+    """An --output inside a path that is a file failed only after the whole generation (review, seventh
+    session): refused before any work."""
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit, match="is not a directory"):
+        _example().checked_output(str(tmp_path / "afile" / "video.gif"))
+    assert _example().checked_output(str(tmp_path / "new" / "deeper" / "v.gif")).endswith("v.gif")

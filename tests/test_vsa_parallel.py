@@ -37,6 +37,20 @@ def test_vsa_too_few_tiles_refused_on_every_rank(results):
     assert len(set(msgs)) == 1 and "1 tiles" in msgs[0] and "vsa_tile_size" in msgs[0], msgs
 
 
+def test_vsa_plan_first_made_under_inference_mode_serves_grad_mode(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "vsa_plan_first_made_under_inference_mode")):
+        assert_close(v["inference_mode"], f"P={P} rank {rank} inference_mode")
+        assert_close(v["grad_mode"], f"P={P} rank {rank} grad mode after inference_mode")
+
+
+def test_gate_file_readable_on_one_rank_only_refused_on_every_rank(results):
+    P, res = results
+    msgs = values(res, "error_gate_file_on_one_rank_only")
+    assert len(set(msgs)) == 1, msgs
+    assert "vsa_gate_weights (read)" in msgs[0] and "rank 0 'ok'" in msgs[0] and "no .safetensors file" in msgs[0]
+
+
 def test_vsa_sparsity0_single_process_equals_dense():
     model = tiny_wan_transformer()
     x = torch.randn(1, 16, 5, 10, 14)

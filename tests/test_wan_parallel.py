@@ -70,6 +70,9 @@ def test_random_draws_agree_across_ranks(results):
     ("error_unsupported_model", ["AutoencoderKLWan", "WanPipeline", "WanTransformer3DModel"]),
     ("error_bad_process_group", ["ProcessGroup"]),
     ("error_timestep_b1", ["argument 'timestep' of WanTransformer3DModel of shape [1, 1]", "[B, 1]"]),
+    ("error_timestep_one_token_short", ["inputs disagree on the sequence length", "'timestep'", "[1, 174]",
+                                        "WanRotaryPosEmbed"]),
+    ("error_timestep_one_per_rank", ["inputs disagree on the sequence length", "'timestep'", "WanRotaryPosEmbed"]),
 ])
 def test_errors_raised_identically_on_every_rank(results, case, needles):
     P, res = results
@@ -78,6 +81,21 @@ def test_errors_raised_identically_on_every_rank(results, case, needles):
     assert msgs[0] != "no error", f"{case} did not raise"
     for needle in needles:
         assert needle in msgs[0], f"{needle!r} not in {msgs[0]!r}"
+
+
+def test_grad_mode_forward_equals_one_process_and_backward_raises(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "transformer_grad_mode")):
+        assert len(v) == 4
+        for what, metrics in v.items():
+            assert_close(metrics, f"P={P} rank {rank} {what}")
+            assert "inference-only" in metrics["backward"], metrics["backward"]
+
+
+def test_scheduler_noise_agrees_after_rng_drift(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "pipeline_scheduler_noise_after_rng_drift")):
+        assert_close(v, f"P={P} rank {rank} stochastic scheduler after RNG drift")
 
 
 def test_group_usable_after_errors(results):
