@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--vsa-sparsity", type=float, default=0.9,
                    help="with --mode vsa: fraction of key tiles each query tile skips (default 0.9)")
     p.add_argument("--check", action="store_true",
-                   help="rank 0 also runs without sequence parallelism and compares")
+                   help="every rank then also runs without sequence parallelism and compares its output")
     p.add_argument("--cfg-parallel", default="off", choices=["off", "on", "auto"],
                    help="CFG parallelism: two rank groups for the conditional / unconditional passes")
     p.add_argument("--sp-degree", type=int, default=None,
@@ -105,7 +105,8 @@ def checked_output(path: str) -> str:
     existing one, or any path ending in a separator), ``.mp4`` added when it has no suffix.
 
     Raises:
-        SystemExit: an unknown video suffix, before any work, on every rank alike.
+        SystemExit: an unknown video suffix, a missing video writer, or a folder that cannot be made or
+            written (a path under a file, a read-only folder), before any work, on every rank alike.
     """
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
         path = os.path.join(path, "video.mp4")
@@ -114,6 +115,13 @@ def checked_output(path: str) -> str:
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in VIDEO_SUFFIXES:
         raise SystemExit(f"--output {path!r}: unknown video format {suffix!r}; use one of {VIDEO_SUFFIXES}")
+    folder = os.path.dirname(os.path.abspath(path))
+    existing = folder
+    while not os.path.exists(existing):  # the folders that do not exist yet are made when writing
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a directory" if not os.path.isdir(existing) else "is not writable"
+        raise SystemExit(f"--output {path!r}: {existing!r} {what}, so the video could not be written there")
     if suffix != ".gif" and importlib.util.find_spec("imageio_ffmpeg") is None:
         # export_to_video needs imageio's ffmpeg plugin; without it the write failed after generating.
         raise SystemExit(f"--output {path!r}: writing {suffix} needs imageio-ffmpeg (pip install imageio-ffmpeg, "
@@ -180,22 +188,36 @@ def main(argv=None) -> int:
 
     ok = True
     if args.check:
-        status = torch.zeros(1)
-        if rank == 0:
-            _single_process(pipe, args, solo_groups)
-            ref = pipe(**call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
-            out, ref = torch.as_tensor(frames).double(), torch.as_tensor(ref).double()
-            max_abs = (out - ref).abs().max().item()
-            rel = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-            tol = 1e-4 if dtype == torch.float32 else 2e-2
-            ok = rel <= tol
-            print(f"check: max_abs_diff={max_abs:.3e} rel_err={rel:.3e} {'OK' if ok else 'FAILED'}", flush=True)
-            status.fill_(1.0 if ok else 0.0)
-        if dist.is_initialized():
-            status = status.to(device) if group.backend == "nccl" else status
-            dist.broadcast(status, src=0)
-            ok = bool(status.item())
+        # Every rank makes its own one-process reference and checks its own output, so no rank waits
+        # in a collective for the whole reference (which could outlast the collective timeout).
+        _single_process(pipe, args, solo_groups)
+        ref = pipe(**call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
+        ok = _compare(frames, ref, dtype, rank == 0, "")
+    return _finish(ok, group, device)
+
+
+def _compare(frames, ref, dtype, show: bool, what: str) -> bool:
+    """Compares one output with its one-process reference and prints the result if ``show`` (the rank
+    that writes the output) or if it failed. Tolerance on the relative error: 1e-4 in float32, 2e-2 in
+    half precision."""
+    out, ref = torch.as_tensor(frames).double(), torch.as_tensor(ref).double()
+    max_abs = (out - ref).abs().max().item()
+    rel = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    ok = rel <= (1e-4 if dtype == torch.float32 else 2e-2)
+    if show or not ok:
+        where = "" if show else f" (rank {dist.get_rank()})"
+        print(f"check{where}: {what}max_abs_diff={max_abs:.3e} rel_err={rel:.3e} {'OK' if ok else 'FAILED'}",
+              flush=True)
+    return ok
+
+
+def _finish(ok: bool, group, device) -> int:
+    """Shares the check's verdict (one all-reduce: failed on any rank = failed everywhere), ends the
+    process group, and returns the exit status."""
     if dist.is_initialized():
+        status = torch.tensor([1.0 if ok else 0.0], device=device if group.backend == "nccl" else "cpu")
+        dist.all_reduce(status, op=dist.ReduceOp.MIN)
+        ok = bool(status.item())
         dist.barrier()
         dist.destroy_process_group()
     return 0 if ok else 1
@@ -212,7 +234,9 @@ def _single_process(pipe, args, solo_groups) -> None:
         enable_sequence_parallel(pipe, mode="vsa", process_group=solo, vsa_sparsity=args.vsa_sparsity)
     if args.parallel_vae:  # the parallel decode equals the single-process *tiled* decode
         pipe.vae.enable_tiling()
-    pipe.set_progress_bar_config(desc="--check: one-process reference")
+    # Every rank makes its reference; the bar shows on rank 0 only, as for the generation.
+    pipe.set_progress_bar_config(desc="--check: one-process reference",
+                                 disable=dist.is_initialized() and dist.get_rank() != 0)
 
 
 def _output_path(output: str, index: int) -> str:
@@ -230,34 +254,23 @@ def _run_prompts_file(args, pipe, handle, group, device, dtype, log, solo_groups
     call = dict(negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                 num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
                 output_type="np")
-    written = {}
+    made = {}
     for index, prompt in mine:
         start = time.perf_counter()
         frames = pipe(prompt=prompt, **call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
+        made[index] = frames if args.check else None
         if handle.is_output_rank:
             path = _output_path(args.output, index)
             write_video(frames, path, args.fps)
-            written[index] = frames
             print(f"replica {handle.replica_index}: prompt {index} -> {path} ({time.perf_counter() - start:.2f} s)",
                   flush=True)
     ok = True
-    if args.check and handle.is_output_rank:
+    if args.check:  # every rank checks its own outputs (see main)
         _single_process(pipe, args, solo_groups)
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        for index, frames in written.items():
+        for index, frames in made.items():
             ref = pipe(prompt=prompts[index], **call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
-            out, ref = torch.as_tensor(frames).double(), torch.as_tensor(ref).double()
-            rel = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-            ok = ok and rel <= tol
-            print(f"check: prompt {index} max_abs_diff={(out - ref).abs().max().item():.3e} rel_err={rel:.3e} "
-                  f"{'OK' if rel <= tol else 'FAILED'}", flush=True)
-    if dist.is_initialized():
-        status = torch.tensor([1.0 if ok else 0.0], device=device if group.backend == "nccl" else "cpu")
-        dist.all_reduce(status, op=dist.ReduceOp.MIN)
-        ok = bool(status.item())
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0 if ok else 1
+            ok = _compare(frames, ref, dtype, handle.is_output_rank, f"prompt {index} ") and ok
+    return _finish(ok, group, device)
 
 
 if __name__ == "__main__":
