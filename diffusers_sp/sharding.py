@@ -91,8 +91,9 @@ class SequenceState:
         extra: Family-specific per-forward values (for example the text length of joint attention).
         order: ``None`` (shards of the sequence as it is) or a :class:`TokenOrder` for the current
             forward, set by a hook of the mode that needs it (VSA).
-        check: Called before each split; raises (identically on every rank) when the model was changed
-            in a way sequence parallelism cannot follow (e.g. a Diffusers cache enabled afterwards).
+        check: Called when the model's forward begins (:class:`SequenceForwardHook`), before any split
+            or collective; raises (identically on every rank) when the model was changed in a way
+            sequence parallelism cannot follow (e.g. a Diffusers cache enabled afterwards).
     """
 
     group: SPGroup
@@ -131,8 +132,6 @@ class SequenceSplitHook(ModelHook):
     def _split(self, x, spec: ContextParallelInput, what: str = "a tensor"):
         if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
             return x
-        if self.state.check is not None:
-            self.state.check()
         group = self.state.group
         length = x.shape[spec.split_dim]
         if length < group.world_size:
@@ -205,9 +204,10 @@ class SequenceSplitHook(ModelHook):
 
 
 class SequenceForwardHook(ModelHook):
-    """Marks the start of the model's forward: forgets the previous forward's sequence length, so
-    that every split of this forward is checked against the first one (see :class:`SequenceSplitHook`),
-    and refuses the forward arguments in ``refuse`` (``{name: why}``) when they are not ``None``.
+    """Marks the start of the model's forward: runs ``state.check``, forgets the previous forward's
+    sequence length, so that every split of this forward is checked against the first one (see
+    :class:`SequenceSplitHook`), and refuses the forward arguments in ``refuse`` (``{name: why}``)
+    when they are not ``None``.
     Registered on the model after the plan's hooks, so its pre-forward runs before theirs."""
 
     def __init__(self, state: SequenceState, refuse: dict | None = None):
@@ -221,6 +221,8 @@ class SequenceForwardHook(ModelHook):
         return module
 
     def pre_forward(self, module, *args, **kwargs):
+        if self.state.check is not None:
+            self.state.check()
         self.state.seq_len, self.state.seq_source = None, ""
         for name, why in self.refuse.items():
             i = self._params.index(name) if name in self._params else len(args)

@@ -117,10 +117,11 @@ def checked_output(path: str) -> str:
         raise SystemExit(f"--output {path!r}: unknown video format {suffix!r}; use one of {VIDEO_SUFFIXES}")
     folder = os.path.dirname(os.path.abspath(path))
     existing = folder
-    while not os.path.exists(existing):  # the folders that do not exist yet are made when writing
+    while not os.path.lexists(existing):  # the folders that do not exist yet are made when writing
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not a directory" if not os.path.isdir(existing) else "is not writable"
+        what = ("is a broken symbolic link" if not os.path.exists(existing)
+                else "is not a directory" if not os.path.isdir(existing) else "is not writable")
         raise SystemExit(f"--output {path!r}: {existing!r} {what}, so the video could not be written there")
     if suffix != ".gif" and importlib.util.find_spec("imageio_ffmpeg") is None:
         # export_to_video needs imageio's ffmpeg plugin; without it the write failed after generating.

@@ -115,6 +115,11 @@ def case_explain_distributed():
                 with torch.no_grad():
                     report = _explain(model, inputs)
                 r.update(graphs=report.graph_count, breaks=report.graph_break_count, reasons=_describe(report))
+                if mode == "kv_gather":
+                    # Grad mode on (second review, seventh session: the inference-only guard, a
+                    # Function whose backward raises, broke the graph at every layer).
+                    report = _explain(model, inputs)
+                    r.update(grad_breaks=report.graph_break_count, grad_reasons=_describe(report))
             except Exception as exc:  # noqa: BLE001 - reported by the test (identical on every rank)
                 r["explain_error"] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -137,4 +142,7 @@ def test_distributed_compile(stock_report):
             elif r["breaks"] > stock_report.graph_break_count:
                 problems.append(f"rank {rank} {mode}: {r['breaks']} graph breaks ({r['graphs']} graphs):\n    "
                                 + "\n    ".join(r["reasons"]))
+            elif r.get("grad_breaks", 0) > stock_report.graph_break_count:
+                problems.append(f"rank {rank} {mode} with grad on: {r['grad_breaks']} graph breaks:\n    "
+                                + "\n    ".join(r["grad_reasons"]))
     assert not problems, "\n".join(problems)

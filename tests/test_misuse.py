@@ -189,6 +189,35 @@ def test_cache_applied_directly_is_refused():
     handle.disable()
 
 
+def test_cache_on_a_deep_module_after_enable_is_refused():
+    """A cache hooked below the blocks' level (TaylorSeer on proj_out) was refused at enable but
+    accepted when applied afterwards: the forward-time scan looked at the blocks only (second review,
+    seventh session). It now scans every module listed at enable, once per forward."""
+    from diffusers import TaylorSeerCacheConfig
+    from diffusers.hooks import apply_taylorseer_cache
+
+    model = tiny_wan_transformer()
+    handle = enable_sequence_parallel(model, mode="kv_gather")
+    apply_taylorseer_cache(model, TaylorSeerCacheConfig(cache_identifiers=["proj_out"]))
+    with torch.no_grad(), pytest.raises(SequenceParallelConfigError, match="Diffusers cache"):
+        model(**_kwargs())
+    handle.disable()
+
+
+def test_one_rank_keeps_autograd():
+    """At world size 1 nothing is exchanged, so gradients flow as without diffusers-sp (the grad-mode
+    guard raised there too; second review, seventh session)."""
+    model = tiny_wan_transformer(num_layers=1)
+    kwargs = _kwargs()
+    model(**kwargs).sample.sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    handle = enable_sequence_parallel(model, mode="kv_gather")
+    model(**kwargs).sample.sum().backward()
+    handle.disable()
+    assert ref and all(torch.allclose(p.grad, ref[n], atol=1e-5) for n, p in model.named_parameters() if n in ref)
+
+
 def test_accelerate_hooks_refused_and_disable_leaves_them_working():
     """enable_model_cpu_offload re-wraps the transformer after every call and dropped our hooks on it
     (the TI2V pipeline then failed on its second call; review, seventh session). An Accelerate hook on
@@ -304,3 +333,6 @@ def test_example_output_under_a_file_refused(tmp_path):
     with pytest.raises(SystemExit, match="is not a directory"):
         _example().checked_output(str(tmp_path / "afile" / "video.gif"))
     assert _example().checked_output(str(tmp_path / "new" / "deeper" / "v.gif")).endswith("v.gif")
+    (tmp_path / "broken").symlink_to(tmp_path / "missing")  # second review: passed, failed after generating
+    with pytest.raises(SystemExit, match="broken symbolic link"):
+        _example().checked_output(str(tmp_path / "broken" / "v.gif"))

@@ -256,8 +256,10 @@ class SequenceParallelAttnProcessor:
     (Diffusers' SDPA layout): ``T`` replicated text tokens (0 without joint text) and this rank's
     shard of ``S_r`` image tokens, in the family's order.
 
-    Inference only: with grad mode on, the call runs under ``torch.no_grad()`` and its output, when
-    any input or parameter requires grad, gets a backward that raises RuntimeError.
+    Inference only: with grad mode on and more than one rank, the call runs under ``torch.no_grad()``
+    and its output, when any input or parameter requires grad, gets a backward that raises
+    RuntimeError (outside ``torch.compile``; inside it the call is traced as it is, and a backward
+    through the collectives gets no gradient from the other ranks).
     """
 
     strategy = "base"
@@ -285,9 +287,12 @@ class SequenceParallelAttnProcessor:
         return self.transport == "copy_engine" and query.is_cuda and not torch.compiler.is_compiling()
 
     def _run(self, attn, *args, **kwargs):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.state.group.world_size > 1 and not torch.compiler.is_compiling():
             # Inference only: the exchanges carry no gradient, so the call runs without autograd
             # (which also saves the memory of its graph), and the output gets a backward that raises.
+            # Not at world size 1 (nothing is exchanged: autograd works as without us), and not inside
+            # torch.compile, where a Function whose backward raises cannot be traced (a graph break
+            # per layer); there the call is traced as it is.
             with torch.no_grad():
                 out = self._run_parallel(attn, *args, **kwargs)
             return _without_backward(out, attn, args, kwargs)
