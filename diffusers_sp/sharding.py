@@ -87,7 +87,7 @@ class SequenceState:
         seq_len: Full (unsplit) length S of the sequence split in the current forward, set by the
             split hooks; ``None`` before the forward's first split (reset by
             :class:`SequenceForwardHook` when the model's forward begins).
-        seq_source: What set :attr:`seq_len` (for error messages).
+        seq_source: What set :attr:`seq_len`, ``(description, shape, dim)``; formatted only for an error.
         extra: Family-specific per-forward values (for example the text length of joint attention).
         order: ``None`` (shards of the sequence as it is) or a :class:`TokenOrder` for the current
             forward, set by a hook of the mode that needs it (VSA).
@@ -98,7 +98,7 @@ class SequenceState:
 
     group: SPGroup
     seq_len: int | None = None
-    seq_source: str = ""
+    seq_source: tuple = ()
     extra: dict[str, Any] = field(default_factory=dict)
     order: TokenOrder | None = None
     check: Callable[[], None] | None = None
@@ -143,15 +143,16 @@ class SequenceSplitHook(ModelHook):
                 f"frames).{broadcast}"
             )
         if self.state.seq_len is not None and length != self.state.seq_len:
+            source, shape, dim = self.state.seq_source
             # Every rank holds the same full inputs, so every rank raises here alike; splitting anyway
             # would hand ranks shards that disagree (a shape error on some ranks while the others wait
             # in a collective) or, for a length that happens to divide, silently wrong values.
             raise SequenceParallelConfigError(
-                f"inputs disagree on the sequence length: {self.state.seq_source} has {self.state.seq_len} "
+                f"inputs disagree on the sequence length: {source} of shape {list(shape)} (dim {dim}) has {self.state.seq_len} "
                 f"entries, while {what} of shape {list(x.shape)} has {length} along dim {spec.split_dim}. "
                 f"Every tensor split along the sequence needs one entry per token.")
         self.state.seq_len = length
-        self.state.seq_source = f"{what} of shape {list(x.shape)} (dim {spec.split_dim})"
+        self.state.seq_source = (what, x.shape, spec.split_dim)  # a string only if an error needs it
         order = self.state.order
         if order is None:
             return shard(x, spec.split_dim, group.rank, group.world_size)
@@ -223,7 +224,7 @@ class SequenceForwardHook(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         if self.state.check is not None:
             self.state.check()
-        self.state.seq_len, self.state.seq_source = None, ""
+        self.state.seq_len, self.state.seq_source = None, ()
         for name, why in self.refuse.items():
             i = self._params.index(name) if name in self._params else len(args)
             value = kwargs.get(name, args[i] if i < len(args) else None)
