@@ -44,7 +44,9 @@ def main():
             print(f"{os.environ.get('NCCL_PROTO', 'default protocol')}: {mb} MB per rank on {world} GPUs: "
                   f"all-gather {ag:.3f} ms ({sent / 1024 / ag * 1e3:.0f} GB/s sent per rank), "
                   f"all-to-all {a2a:.3f} ms ({sent_a2a / 1024 / a2a * 1e3:.0f} GB/s sent per rank)", flush=True)
-    dist.destroy_process_group()
+    from diffusers_sp.groups import destroy_process_groups
+
+    destroy_process_groups(barrier=True)  # the group's threads end before Python exits
 
 
 if __name__ == "__main__":

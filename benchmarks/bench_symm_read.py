@@ -71,7 +71,9 @@ def main() -> None:
                                ("GEMM, ordinary", lambda: gemm(plain), 50)):
             best[name] = min(best.get(name, float("inf")), _ms(fn, reps))
     print(f"rank {rank}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in best.items()), flush=True)
-    dist.destroy_process_group()
+    from diffusers_sp.groups import destroy_process_groups
+
+    destroy_process_groups(barrier=True)  # the group's threads end before Python exits
 
 
 if __name__ == "__main__":

@@ -73,6 +73,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
+from diffusers_sp.groups import destroy_process_groups  # noqa: E402
+
 GIB = 1024 ** 3
 
 # --------------------------------------------------------------------------------------------- cases
@@ -262,8 +264,7 @@ def finish(ctx: Ctx, path: str | None, report) -> None:
     if ctx.is0 and path:
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
-    if ctx.dist:
-        dist.destroy_process_group()
+    destroy_process_groups(barrier=ctx.dist)
 
 
 def _step(model, inputs):
@@ -995,8 +996,7 @@ def main(argv=None):
         if args.json:
             print(f"\nJSON: {args.json}")
     ctx.barrier()
-    if ctx.dist:
-        dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ def _in_flight(group: SPGroup, finish: Callable[[], torch.Tensor]) -> Callable[[
     """``finish`` (the wait of a collective just issued) on NCCL; on other backends (gloo, CPU) the
     wait happens now and the returned function hands back its result.
 
-    On CPU there is nothing to overlap (gloo's threads and the compute share the cores), and with two
-    functional collectives in flight at once a gloo worker aborted in CI (twice in about fifteen
-    runs, once with "malloc(): unaligned tcache chunk detected"; sixth session, cause not found).
+    On CPU there is nothing to overlap (gloo's threads and the compute share the cores), and a gloo
+    worker once aborted with "malloc(): unaligned tcache chunk detected" while two functional
+    collectives were in flight at once; waiting at once keeps one in flight at a time on gloo.
     """
     if group.backend is not None and "nccl" in group.backend:
         return finish
@@ -61,7 +61,7 @@ def start_all_to_all_flat(x: torch.Tensor, send_sizes: Sequence[int], recv_sizes
     (as :func:`start_all_gather_dim0`: work queued in between overlaps the collective)."""
     if group.world_size == 1:
         return lambda: x
-    pending = funcol.all_to_all_single(x, list(recv_sizes), list(send_sizes), group.group)
+    pending = funcol.all_to_all_single(x, list(recv_sizes), list(send_sizes), group.group_name)
     return _in_flight(group, lambda: _wait(pending))
 
 
@@ -95,7 +95,7 @@ def start_all_gather_dim0(x: torch.Tensor, sizes: Sequence[int], group: SPGroup)
     longest = max(sizes)
     if x.shape[0] != longest:
         x = torch.cat([x, x.new_zeros((longest - x.shape[0],) + tuple(x.shape[1:]))], dim=0)
-    pending = _all_gather(x.contiguous(), 0, group.group)
+    pending = _all_gather(x.contiguous(), 0, group.group_name)
 
     def finish() -> torch.Tensor:
         gathered = _wait(pending)

@@ -359,7 +359,7 @@ def workspace(group: SPGroup, nbytes: int, device: torch.device) -> _Workspace:
     """
     import torch.distributed._symmetric_memory as symm_mem
 
-    key = (group.group.group_name, device.index)
+    key = (group.group_name, device.index)
     ws = _WORKSPACES.get(key)
     if ws is not None and ws.buffer.numel() >= nbytes:
         return ws
@@ -399,6 +399,6 @@ def release_workspaces(group: SPGroup | None = None) -> None:
     group must call it at the same point (the next allocation is a collective).
     """
     for key in list(_WORKSPACES):
-        if group is not None and key[0] != group.group.group_name:
+        if group is not None and key[0] != group.group_name:
             continue
         _retire(_WORKSPACES.pop(key))

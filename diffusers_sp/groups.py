@@ -4,10 +4,20 @@ By default the run is launched and initialised by Accelerate: :class:`accelerate
 reads the launcher's environment (``accelerate launch`` or ``torchrun``) and initialises
 ``torch.distributed`` with NCCL on CUDA and gloo on CPU. The sequence-parallel group is then the
 whole world. A caller may pass its own ``torch.distributed`` process group instead.
+
+Nothing here holds a process group object: an :class:`SPGroup` keeps the group's registered name
+and looks the group up when it is used. A process group's worker threads (gloo's run loops, NCCL's
+watchdog) stop only when its last reference is dropped; one that survives until the interpreter
+exits may release a finished collective's tensors after Python has begun finalizing, and the
+thread then aborts the process ("terminate called without an active exception"). With names only,
+:func:`destroy_process_groups` drops the last references and joins those threads while Python is
+intact.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,17 +37,25 @@ class SPGroup:
     """The ranks that share one sequence.
 
     Attributes:
-        group: The ``torch.distributed`` process group, or ``None`` when world size is 1 and no
-            distributed run exists.
+        group_name: The registered name of the ``torch.distributed`` process group (what functional
+            collectives take), or ``None`` when world size is 1 and no distributed run exists.
         rank: This process's rank inside ``group`` (0-based).
         world_size: Number of ranks P in ``group``.
         backend: ``"nccl"``, ``"gloo"`` (or another torch.distributed backend name), ``None`` alone.
     """
 
-    group: "dist.ProcessGroup | None"
+    group_name: str | None
     rank: int
     world_size: int
     backend: str | None
+
+    @property
+    def group(self) -> "dist.ProcessGroup | None":
+        """The process group itself, looked up by name (``None`` alone); raises once the groups are
+        destroyed (:func:`destroy_process_groups`)."""
+        if self.group_name is None:
+            return None
+        return dist.distributed_c10d._resolve_process_group(self.group_name)
 
     def check_device(self, device: torch.device) -> None:
         """Raises SequenceParallelConfigError when tensors on ``device`` cannot use this group's backend."""
@@ -104,7 +122,7 @@ def resolve_group(process_group=None) -> SPGroup:
     """
     world = world_size_for(process_group)
     if process_group is not None:
-        return SPGroup(process_group, dist.get_rank(process_group), world, dist.get_backend(process_group))
+        return SPGroup(process_group.group_name, dist.get_rank(process_group), world, dist.get_backend(process_group))
     if world == 1 and not (dist.is_available() and dist.is_initialized()):
         return SPGroup(None, 0, 1, None)
     if not dist.is_initialized():
@@ -122,7 +140,38 @@ def resolve_group(process_group=None) -> SPGroup:
         cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
         PartialState(cpu=cpu, timeout=timeout)
-    return SPGroup(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), dist.get_backend())
+        # The run was started here, so it is ended here too: at exit, before Python finalizes, unless
+        # the script called destroy_process_groups() itself (see the module docstring).
+        atexit.register(destroy_process_groups)
+    return SPGroup(dist.group.WORLD.group_name, dist.get_rank(), dist.get_world_size(), dist.get_backend())
+
+
+def destroy_process_groups(*, barrier: bool = False) -> None:
+    """Ends the launch's process groups and joins their worker threads; safe to call more than once.
+
+    Call it on every rank after the last collective (the example scripts do, on success and on
+    error). It forgets the groups diffusers-sp built (CFG, replica and sequence-parallel sub-groups),
+    destroys every group with ``torch.distributed.destroy_process_group()`` (sub-groups in reverse
+    order of creation, the default group last), and collects the garbage so that the groups' C++
+    objects, and with them gloo's worker threads and NCCL's watchdog, end here rather than while the
+    interpreter exits (see the module docstring). Enabled pipelines may stay alive: diffusers-sp
+    objects hold only group names. When diffusers-sp initialised the run itself, this also runs at
+    exit.
+
+    Args:
+        barrier: Wait for every rank first (a collective: pass ``True`` only where every rank reaches
+            this call, e.g. at the end of a successful run; an error path must not wait for ranks
+            that may never come).
+    """
+    from .copy_engine import release_workspaces  # here: copy_engine imports this module
+
+    _PARALLEL_GROUPS.clear()
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        release_workspaces()  # symmetric buffers hold their group
+        dist.destroy_process_group()
+    gc.collect()
 
 
 @dataclass(frozen=True)
@@ -132,9 +181,11 @@ class ParallelGroups:
     Global rank ``g = (replica * cfg_degree + cfg_rank) * sp_degree + sp_rank``: the ranks of one
     sequence-parallel group are consecutive, the two CFG groups of a replica sit next to each other.
 
+    The groups are cut from a ``torch.distributed.device_mesh.DeviceMesh`` of shape
+    ``(replicas, cfg, sp)`` with dim names ``("replica", "cfg", "sp")`` (device type ``"cuda"`` on
+    NCCL, ``"cpu"`` on gloo), which is not kept: it holds its process groups.
+
     Attributes:
-        mesh: ``torch.distributed.device_mesh.DeviceMesh`` of shape ``(replicas, cfg, sp)`` with dim
-            names ``("replica", "cfg", "sp")`` (device type ``"cuda"`` on NCCL, ``"cpu"`` on gloo).
         sp: This rank's sequence-parallel group (``sp_degree`` ranks).
         cfg: The ``cfg_degree`` ranks (1 or 2) holding the same sequence shard in the two CFG groups.
         replica: Every rank working on the same sample (``cfg_degree * sp_degree`` ranks): latents,
@@ -144,7 +195,6 @@ class ParallelGroups:
         cfg_rank: 0 (conditional pass / first half of a CFG batch) or 1 (unconditional / second half).
     """
 
-    mesh: object
     sp: SPGroup
     cfg: SPGroup
     replica: SPGroup
@@ -170,11 +220,11 @@ def build_parallel_groups(num_replicas: int, cfg_degree: int, sp_degree: int) ->
     """
     world = resolve_group(None)
     if world.world_size == 1:
-        return ParallelGroups(None, world, world, world, world, 0, 1, 0, 1)
+        return ParallelGroups(world, world, world, world, 0, 1, 0, 1)
     if num_replicas * cfg_degree * sp_degree != world.world_size:
         raise SequenceParallelConfigError(
             f"replicas {num_replicas} x cfg {cfg_degree} x sp {sp_degree} != world size {world.world_size}")
-    key = (num_replicas, cfg_degree, sp_degree, world.world_size, id(dist.group.WORLD))
+    key = (num_replicas, cfg_degree, sp_degree, world.world_size, world.group_name)
     if key in _PARALLEL_GROUPS:
         return _PARALLEL_GROUPS[key]
     from torch.distributed.device_mesh import init_device_mesh
@@ -185,7 +235,7 @@ def build_parallel_groups(num_replicas: int, cfg_degree: int, sp_degree: int) ->
     backend = world.backend
 
     def sub(dim: str) -> SPGroup:
-        return SPGroup(mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(mesh.mesh_dim_names.index(dim)),
+        return SPGroup(mesh.get_group(dim).group_name, mesh.get_local_rank(dim), mesh.size(mesh.mesh_dim_names.index(dim)),
                        backend)
 
     per_replica = cfg_degree * sp_degree
@@ -194,8 +244,8 @@ def build_parallel_groups(num_replicas: int, cfg_degree: int, sp_degree: int) ->
     else:
         group, _ = dist.new_subgroups_by_enumeration(
             [list(range(r * per_replica, (r + 1) * per_replica)) for r in range(num_replicas)])
-        replica = SPGroup(group, world.rank % per_replica, per_replica, backend)
-    out = ParallelGroups(mesh=mesh, sp=sub("sp"), cfg=sub("cfg"), replica=replica, world=world,
+        replica = SPGroup(group.group_name, world.rank % per_replica, per_replica, backend)
+    out = ParallelGroups(sp=sub("sp"), cfg=sub("cfg"), replica=replica, world=world,
                          replica_index=world.rank // per_replica, num_replicas=num_replicas,
                          cfg_rank=(world.rank // sp_degree) % cfg_degree, cfg_degree=cfg_degree)
     _PARALLEL_GROUPS[key] = out

@@ -22,10 +22,15 @@ SPARSITY = 0.9
 
 
 @functools.lru_cache(maxsize=None)
-def _solo_group():
-    """A one-rank process group of this rank (every rank creates every group, as new_group requires)."""
+def _solo_group_name() -> str:
+    """Name of a one-rank process group of this rank (every rank creates every group, as new_group
+    requires). The name, not the group, is kept: a kept group would outlive the workers' teardown."""
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-    return groups[dist.get_rank()]
+    return groups[dist.get_rank()].group_name
+
+
+def _solo_group():
+    return dist.distributed_c10d._resolve_process_group(_solo_group_name())
 
 
 def _model_kwargs():

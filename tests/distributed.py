@@ -61,13 +61,36 @@ def _worker(local_rank: int, world_size: int, port: int, module: str, cases: lis
             results[name] = ("ok", getattr(mod, f"case_{name}")())
         except Exception as exc:  # reported to the pytest side, which fails that case's test
             results[name] = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+    from diffusers_sp.groups import destroy_process_groups
+
+    # Every case has returned on every rank: end the groups here, while Python is intact, and record
+    # any process-group thread that outlives them (such a thread aborted workers at exit).
+    destroy_process_groups(barrier=True)
+    results[TEARDOWN] = process_group_threads()
     with open(os.path.join(out_dir, f"rank{local_rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
-    import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+
+#: Key of a worker's results that lists the process-group threads alive after its teardown.
+TEARDOWN = "__teardown__"
+#: Names (Linux ``comm``) of the threads torch.distributed's backends run: gloo's work loops and
+#: transport loop, NCCL's watchdog and heartbeat monitor.
+PROCESS_GROUP_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_nccl_watchdg", "pt_nccl_heartbt")
+
+
+def process_group_threads() -> list[str]:
+    """Names of this process's threads that belong to a process group (see
+    :data:`PROCESS_GROUP_THREADS`); empty once every group is destroyed. Linux only (``/proc``)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(PROCESS_GROUP_THREADS):
+            names.append(name)
+    return sorted(names)
 
 
 #: Equality with one process in float32: max abs difference <= FLOAT32_TOL x max(output scale, 1)
@@ -136,6 +159,10 @@ def run_cases(module: str, world_size: int, cases: list[str] | None = None, time
         for r in range(world_size):
             with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
                 per_rank.append(pickle.load(f))
+    leftover = {r: res[TEARDOWN] for r, res in enumerate(per_rank) if res[TEARDOWN]}
+    if leftover:
+        raise AssertionError(f"{module} at world size {world_size}: process-group threads alive after "
+                             f"destroy_process_groups(): {leftover}")
     return {name: [per_rank[r][name] for r in range(world_size)] for name in cases}
 
 
