@@ -11,8 +11,9 @@ Every rank runs the same pipeline call; the transformer's tokens are split acros
 pipeline built from the real config classes with random weights is saved (safetensors) to a cache
 folder and loaded back through from_pretrained: it runs anywhere in seconds and makes noise, not art.
 
---check: rank 0 then runs the same generation without sequence parallelism and prints
-`check: max_abs_diff=<x> rel_err=<y> OK` (or FAILED); every rank exits non-zero on failure.
+--check: every rank then runs the same generation without sequence parallelism and compares; rank 0
+prints `check: max_abs_diff=<x> rel_err=<y> OK` (or FAILED); every rank exits non-zero on failure.
+A bad flag, or a setting sequence parallelism cannot run, is one line from rank 0 and a non-zero exit.
 
 --cfg-parallel on|auto splits the ranks into two CFG groups (conditional / unconditional pass),
 --sp-degree N sets the ranks per sequence-parallel group (the rest form replicas), --parallel-vae
@@ -24,7 +25,6 @@ spreads the prompts over the replicas; prompt i is written once, to <output stem
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import sys
@@ -33,9 +33,17 @@ import time
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli import (ArgumentParser, FlagError, checked_output as _checked_output, compare, finish, layout_line,  # noqa: E402
+                 output_path, quiet_other_ranks, read_prompts, run)
+
+# Diffusers' export_to_video always encodes H.264 (libx264), which these containers take; WebM does
+# not (it wants VP8/VP9/AV1), so .webm is not offered.
+VIDEO_SUFFIXES = (".mp4", ".gif", ".mov", ".mkv", ".avi")
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help="local folder or Hub id of a Wan Diffusers pipeline (default: the built-in tiny Wan)")
     p.add_argument("--prompt", default="a small red bird flies over the blue water")
@@ -65,7 +73,25 @@ def parse_args(argv=None):
     p.add_argument("--parallel-vae", action="store_true", help="share the VAE decode tiles over the ranks")
     p.add_argument("--prompts-file", default=None,
                    help="file with one prompt per line, spread over the replicas (outputs <stem>_000<suffix>, ...)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_flags(args)
+    return args
+
+
+def check_flags(args) -> None:
+    """Flag values that cannot run, refused before any model is loaded (:class:`FlagError`)."""
+    if not 0.0 <= args.vsa_sparsity < 1.0:
+        raise FlagError(f"--vsa-sparsity {args.vsa_sparsity}: must be in [0, 1) (the fraction of key tiles skipped)")
+    for flag, value, multiple in (("--height", args.height, 16), ("--width", args.width, 16)):
+        if value <= 0 or value % multiple:
+            raise FlagError(f"{flag} {value}: must be a positive multiple of {multiple} pixels")
+    if args.num_frames < 1 or (args.num_frames - 1) % 4:
+        raise FlagError(f"--num-frames {args.num_frames}: must be 4k+1 (1, 5, 9, ...)")
+    for flag, value in (("--steps", args.steps), ("--fps", args.fps)):
+        if value < 1:
+            raise FlagError(f"{flag} {value}: must be at least 1")
+    if args.sp_degree is not None and args.sp_degree < 1:
+        raise FlagError(f"--sp-degree {args.sp_degree}: must be at least 1")
 
 
 def write_video(frames, path: str, fps: int) -> None:
@@ -95,46 +121,16 @@ def load_pipeline(model: str | None, dtype: torch.dtype, rank: int):
     return DiffusionPipeline.from_pretrained(model, dtype=dtype)
 
 
-# Diffusers' export_to_video always encodes H.264 (libx264), which these containers take; WebM does
-# not (it wants VP8/VP9/AV1), so .webm is not offered.
-VIDEO_SUFFIXES = (".mp4", ".gif", ".mov", ".mkv", ".avi")
-
-
 def checked_output(path: str) -> str:
-    """``--output`` as the file to write: ``video.mp4`` inside it when it names a directory (an
-    existing one, or any path ending in a separator), ``.mp4`` added when it has no suffix.
-
-    Raises:
-        SystemExit: an unknown video suffix, a missing video writer, or a folder that cannot be made or
-            written (a path under a file, a read-only folder), before any work, on every rank alike.
-    """
-    if path.endswith(("/", os.sep)) or os.path.isdir(path):
-        path = os.path.join(path, "video.mp4")
-    elif not os.path.splitext(path)[1]:
-        path += ".mp4"
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix not in VIDEO_SUFFIXES:
-        raise SystemExit(f"--output {path!r}: unknown video format {suffix!r}; use one of {VIDEO_SUFFIXES}")
-    folder = os.path.dirname(os.path.abspath(path))
-    existing = folder
-    while not os.path.lexists(existing):  # the folders that do not exist yet are made when writing
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        what = ("is a broken symbolic link" if not os.path.exists(existing)
-                else "is not a directory" if not os.path.isdir(existing) else "is not writable")
-        raise SystemExit(f"--output {path!r}: {existing!r} {what}, so the video could not be written there")
-    if suffix != ".gif" and importlib.util.find_spec("imageio_ffmpeg") is None:
-        # export_to_video needs imageio's ffmpeg plugin; without it the write failed after generating.
-        raise SystemExit(f"--output {path!r}: writing {suffix} needs imageio-ffmpeg (pip install imageio-ffmpeg, "
-                         f"installed with this package), or use a .gif output")
-    return path
+    """``--output`` as the video file to write: ``video.mp4`` inside a directory, ``.mp4`` added to a
+    path without a suffix (:func:`cli.checked_output`; raises :class:`FlagError`)."""
+    return _checked_output(path, VIDEO_SUFFIXES, "video.mp4", needs_ffmpeg=VIDEO_SUFFIXES[:1] + VIDEO_SUFFIXES[2:])
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.output = checked_output(args.output)
-    if args.prompts_file and not os.path.isfile(args.prompts_file):  # before any model is loaded
-        raise SystemExit(f"--prompts-file {args.prompts_file!r}: no such file")
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else None  # before any model is loaded
     from diffusers_sp import enable_sequence_parallel
     from diffusers_sp.groups import resolve_group
 
@@ -146,14 +142,7 @@ def main(argv=None) -> int:
         # Ranks share the machine's cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR, format="%(message)s")
-    if rank != 0:
-        import diffusers
-        import transformers
-
-        diffusers.utils.logging.set_verbosity_error()
-        diffusers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
+    quiet_other_ranks(rank)
     log = logging.getLogger("generate_video")
 
     pipe = load_pipeline(args.model, dtype, rank).to(device)
@@ -167,14 +156,10 @@ def main(argv=None) -> int:
     # so every rank creates every one-rank group.
     solo_groups = ([dist.new_group([r]) for r in range(dist.get_world_size())]
                    if args.check and args.mode == "vsa" and dist.is_initialized() else None)
-    transport = ("copy engines" if handle.transport == "copy_engine"
-                 else f"{handle.group.backend} collectives" if handle.group.backend else "none (one process)")
-    log.info("%s: mode=%s (sp_mode=%s, transfers: %s) world_size=%d device=%s dtype=%s", type(pipe).__name__,
-             handle.mode, handle.sp_mode, transport, handle.world_size, device, dtype)
-    if handle.num_replicas > 1 or handle.cfg_degree > 1:
-        log.info("replicas=%d cfg=%d sp=%d", handle.num_replicas, handle.cfg_degree, handle.world_size)
-    if args.prompts_file:
-        return _run_prompts_file(args, pipe, handle, group, device, dtype, log, solo_groups)
+    log.info("%s: mode=%s (sp_mode=%s, transfers: %s) %s device=%s dtype=%s", type(pipe).__name__,
+             handle.mode, handle.sp_mode, handle.transport, layout_line(handle), device, dtype)
+    if prompts is not None:
+        return _run_prompts_file(args, prompts, pipe, handle, group, device, dtype, log, solo_groups)
 
     call = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                 num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
@@ -193,35 +178,8 @@ def main(argv=None) -> int:
         # in a collective for the whole reference (which could outlast the collective timeout).
         _single_process(pipe, args, solo_groups)
         ref = pipe(**call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
-        ok = _compare(frames, ref, dtype, rank == 0, "")
-    return _finish(ok, group, device)
-
-
-def _compare(frames, ref, dtype, show: bool, what: str) -> bool:
-    """Compares one output with its one-process reference and prints the result if ``show`` (the rank
-    that writes the output) or if it failed. Tolerance on the relative error: 1e-4 in float32, 2e-2 in
-    half precision."""
-    out, ref = torch.as_tensor(frames).double(), torch.as_tensor(ref).double()
-    max_abs = (out - ref).abs().max().item()
-    rel = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-    ok = rel <= (1e-4 if dtype == torch.float32 else 2e-2)
-    if show or not ok:
-        where = "" if show else f" (rank {dist.get_rank()})"
-        print(f"check{where}: {what}max_abs_diff={max_abs:.3e} rel_err={rel:.3e} {'OK' if ok else 'FAILED'}",
-              flush=True)
-    return ok
-
-
-def _finish(ok: bool, group, device) -> int:
-    """Shares the check's verdict (one all-reduce: failed on any rank = failed everywhere), ends the
-    process group, and returns the exit status."""
-    if dist.is_initialized():
-        status = torch.tensor([1.0 if ok else 0.0], device=device if group.backend == "nccl" else "cpu")
-        dist.all_reduce(status, op=dist.ReduceOp.MIN)
-        ok = bool(status.item())
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0 if ok else 1
+        ok = compare(frames, ref, dtype, rank == 0)
+    return finish(ok, group, device)
 
 
 def _single_process(pipe, args, solo_groups) -> None:
@@ -240,17 +198,10 @@ def _single_process(pipe, args, solo_groups) -> None:
                                  disable=dist.is_initialized() and dist.get_rank() != 0)
 
 
-def _output_path(output: str, index: int) -> str:
-    stem, suffix = os.path.splitext(output)
-    return f"{stem}_{index:03d}{suffix or '.mp4'}"
-
-
-def _run_prompts_file(args, pipe, handle, group, device, dtype, log, solo_groups) -> int:
+def _run_prompts_file(args, prompts, pipe, handle, group, device, dtype, log, solo_groups) -> int:
     """Prompt i goes to replica i mod num_replicas; that replica's output rank writes it once."""
     from diffusers_sp.replicas import split_for_replica
 
-    with open(args.prompts_file) as f:
-        prompts = [line.strip() for line in f if line.strip()]
     mine = split_for_replica(prompts, handle.replica_index, handle.num_replicas)
     call = dict(negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                 num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
@@ -261,7 +212,7 @@ def _run_prompts_file(args, pipe, handle, group, device, dtype, log, solo_groups
         frames = pipe(prompt=prompt, **call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
         made[index] = frames if args.check else None
         if handle.is_output_rank:
-            path = _output_path(args.output, index)
+            path = output_path(args.output, index)
             write_video(frames, path, args.fps)
             print(f"replica {handle.replica_index}: prompt {index} -> {path} ({time.perf_counter() - start:.2f} s)",
                   flush=True)
@@ -270,9 +221,9 @@ def _run_prompts_file(args, pipe, handle, group, device, dtype, log, solo_groups
         _single_process(pipe, args, solo_groups)
         for index, frames in made.items():
             ref = pipe(prompt=prompts[index], **call, generator=torch.Generator("cpu").manual_seed(args.seed)).frames[0]
-            ok = _compare(frames, ref, dtype, handle.is_output_rank, f"prompt {index} ") and ok
-    return _finish(ok, group, device)
+            ok = compare(frames, ref, dtype, handle.is_output_rank, f"prompt {index} ") and ok
+    return finish(ok, group, device)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

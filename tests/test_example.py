@@ -37,15 +37,46 @@ def test_generate_video_check_ok(tmp_path, extra):
     assert len(lines) == 1 and lines[0].endswith(" OK"), proc.stdout[-3000:]
     assert out.exists() and out.stat().st_size > 0
     expected_ranks = "3" if extra else "2"
-    assert f"world_size={expected_ranks}" in proc.stdout + proc.stderr
+    assert f"ranks={expected_ranks} (sp {expected_ranks})" in proc.stdout + proc.stderr
+    assert "transfers: gloo" in proc.stdout + proc.stderr  # the backend that runs, not "nccl"
 
 
-def test_generate_video_too_few_tokens_fails_on_every_rank(tmp_path):
-    """A 16x16, 1-frame video has 1 token for 2 ranks: every rank raises in the forward, the run ends
-    (no hang) and exits non-zero, and no video is written."""
+def _our_lines(text: str) -> list[str]:
+    """What the ranks printed, without the launcher's own failure report (torch elastic's
+    ChildFailedError, its traceback and its log lines)."""
+    launcher = text.find("Traceback (most recent call last):\n  File \"")
+    while launcher >= 0 and "accelerate" not in text[launcher:launcher + 300]:
+        launcher = text.find("Traceback (most recent call last):", launcher + 1)
+    mine = text if launcher < 0 else text[:launcher]
+    return [l for l in mine.splitlines() if l.strip() and " site-packages/torch/distributed/elastic/" not in l
+            and not l.startswith("[transformers]")]
+
+
+def test_generate_video_too_few_tokens_is_one_line(tmp_path):
+    """A 16x16, 1-frame video has 1 token for 2 ranks: every rank raises in the forward, alike; rank 0
+    prints the error as one line, the others stay quiet, the run ends (no hang) non-zero, and no video
+    is written."""
     proc, out = _launch(tmp_path, "--num_processes", "2", "--height", "16", "--width", "16", "--num-frames", "1")
     assert proc.returncode != 0
-    text = proc.stderr + proc.stdout
-    assert text.count("SequenceParallelConfigError: cannot split a sequence of 1 tokens over 2 ranks") >= 2, text[-3000:]
+    errors = [l for l in _our_lines(proc.stderr) if "error" in l.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: cannot split a sequence of 1 tokens over 2 ranks"), \
+        proc.stderr[-3000:]
+    assert "generate_video.py\", line" not in proc.stderr, "a rank printed a traceback"
     assert not out.exists()
 
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--vsa-sparsity", "1.5"], "generate_video.py: error: --vsa-sparsity 1.5: must be in [0, 1)"),
+    (["--mode", "ring"], "generate_video.py: error: argument --mode: invalid choice: 'ring'"),
+], ids=["value", "choice"])
+def test_generate_video_bad_flag_is_one_line_from_rank0(tmp_path, flags, expected):
+    proc, out = _launch(tmp_path, "--num_processes", "2", *flags)
+    assert proc.returncode != 0
+    ours = _our_lines(proc.stderr) + _our_lines(proc.stdout)
+    assert len(ours) == 1 and ours[0].startswith(expected), (ours, proc.stderr[-2000:])
+
+
+def test_generate_video_help_printed_once(tmp_path):
+    proc, _ = _launch(tmp_path, "--num_processes", "2", "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("usage: generate_video.py") == 1, proc.stdout[-2000:]

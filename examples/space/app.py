@@ -91,10 +91,17 @@ def worker(rank: int, world_size: int, port: int, model: str | None, mode: str, 
         handle = enable_sequence_parallel(pipe, mode=mode)
         if rank == 0:
             events.put(("ready", dict(mode=handle.mode, world_size=handle.world_size, device=str(device))))
-    except Exception as exc:  # noqa: BLE001 - reported to the app, which shows it
+    except Exception as exc:  # noqa: BLE001 - reported to the app, which prints it and exits
+        from diffusers_sp import SequenceParallelConfigError
+        from diffusers_sp.groups import destroy_process_groups
+
         if rank == 0:
-            events.put(("error", f"worker start failed: {type(exc).__name__}: {exc}"))
-        raise
+            what = str(exc) if isinstance(exc, SequenceParallelConfigError) else f"{type(exc).__name__}: {exc}"
+            events.put(("error", f"worker start failed: {what}"))
+        destroy_process_groups()
+        if not isinstance(exc, SequenceParallelConfigError):
+            raise  # an unexpected failure keeps its traceback
+        sys.exit(1)
 
     while True:
         box = [None]
@@ -134,7 +141,9 @@ def worker(rank: int, world_size: int, port: int, model: str | None, mode: str, 
         except Exception as exc:  # noqa: BLE001 - every rank fails alike; rank 0 reports
             if rank == 0:
                 events.put(("error", f"{type(exc).__name__}: {exc}"))
-    dist.destroy_process_group()
+    from diffusers_sp.groups import destroy_process_groups
+
+    destroy_process_groups(barrier=True)  # every rank got the stop request
 
 
 class Workers:
@@ -154,7 +163,11 @@ class Workers:
         for p in self.procs:
             p.start()
         print(f"workers: pids {' '.join(str(p.pid) for p in self.procs)}", flush=True)
-        self.info = self._wait("ready", start_timeout)[1]
+        try:
+            self.info = self._wait("ready", start_timeout)[1]
+        except BaseException:
+            self.close()  # no worker outlives a failed start
+            raise
         print(f"workers ready: {self.info}", flush=True)
 
     def _wait(self, kind: str, timeout: float, on_step=None):
@@ -242,13 +255,20 @@ def main(argv=None):
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"))
     parser.add_argument("--model", default=os.environ.get("SPACE_MODEL") or None)
     parser.add_argument("--workers", type=int, default=int(os.environ.get("SPACE_NUM_WORKERS", 0)) or None)
-    parser.add_argument("--mode", default=os.environ.get("SPACE_SP_MODE", "auto"))
+    parser.add_argument("--mode", default=os.environ.get("SPACE_SP_MODE", "auto"),
+                        choices=["auto", "ulysses", "kv_gather", "vsa"])
     args = parser.parse_args(argv)
+    if args.workers is not None and args.workers < 1:
+        parser.error(f"--workers {args.workers}: must be at least 1")
 
     import torch
 
     num = args.workers or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    workers = Workers(num, args.model, args.mode)
+    try:
+        workers = Workers(num, args.model, args.mode)
+    except (RuntimeError, TimeoutError) as exc:  # the workers' own one-line report
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     atexit.register(workers.close)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SystemExit runs atexit, which stops the workers
     demo = build_ui(workers, TINY_DEFAULTS if args.model is None else REAL_DEFAULTS)
