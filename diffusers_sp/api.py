@@ -58,9 +58,11 @@ class SequenceParallelHandle:
         world_size: Ranks in the group (1: nothing is split).
         traits: The pipeline's traits as read at enable time.
         group: The :class:`~diffusers_sp.groups.SPGroup`.
-        transport: ``sp_transport`` resolved: ``"nccl"`` or ``"copy_engine"`` (``"nccl"`` for VSA and
-            for Ulysses on models with joint text). Inside a ``torch.compile``d region the processors
-            take the NCCL path whatever this says (side streams and events do not trace).
+        transport: How the ranks exchange tensors (``sp_transport`` resolved): ``"copy_engine"``, or
+            the backend of the group's collectives, ``"nccl"`` on CUDA or ``"gloo"`` on CPU
+            (``"none"`` at world size 1 without a distributed run). VSA, and Ulysses on models with
+            joint text, use the collectives. Inside a ``torch.compile``d region the processors take
+            the collectives whatever this says (side streams and events do not trace).
     """
 
     mode: str
@@ -530,7 +532,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
                                     group=group, target=target, sp_mode=vsa["sp_mode"] if vsa else resolved,
-                                    transport=transport)
+                                    transport=transport if transport == "copy_engine" else group.backend or "none")
     replica_group = group
     if pgroups is not None:
         handle.groups = pgroups
@@ -543,13 +545,13 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     except BaseException:
         handle.disable()  # nothing half-installed stays behind
         raise
-    if group.rank == 0:
-        logger.info("diffusers-sp: %s with %s over %d rank(s)%s", traits.name,
-                    resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", group.world_size,
-                    " (transfers by copy engine)" if transport == "copy_engine" else "")
-        if not layout.trivial:
-            logger.info("diffusers-sp: %d replica(s) x cfg %d x sp %d%s", layout.num_replicas, layout.cfg_degree,
-                        layout.sp_degree, f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")
+    if handle.is_output_rank and handle.replica_index == 0:
+        sizes = (f"sp {layout.sp_degree}" if layout.trivial else
+                 f"{layout.num_replicas} replica(s) x cfg {layout.cfg_degree} x sp {layout.sp_degree} = "
+                 f"{layout.num_replicas * layout.cfg_degree * layout.sp_degree} ranks")
+        logger.info("diffusers-sp: %s with %s, %s, transfers by %s%s", traits.name,
+                    resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", sizes, handle.transport,
+                    f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")
     return handle
 
 
