@@ -15,8 +15,9 @@ from .comm import broadcast_tensor
 from .copy_engine import TRANSPORTS, copy_engine_unavailable_reason, head_group_sizes, release_workspaces
 from .groups import SPGroup, resolve_group, world_size_for
 from .kernels.sdpa import KERNELS
-from .pipelines import FamilySpec, family_for
+from .pipelines import resolve_target
 from .processors import PROCESSORS
+from .processors.base import PARALLEL_CALL
 from .processors.vsa import VSA_DEFAULTS, TileOrderHook, VideoSparseAttnProcessor, load_gate_weights
 from .sharding import SequenceState, apply_plan, remove_hooks
 from .traits import PipelineTraits
@@ -27,6 +28,8 @@ logger = logging.getLogger("diffusers_sp")
 _OPTIONS = {"attention_kernel": "auto", "sp_transport": "auto", "overlap_head_groups": "auto",
             "overlap_query_projection": True, **VSA_DEFAULTS}
 _HANDLE_ATTR = "_diffusers_sp_handle"
+#: Attributes of the model's processors that enabling changes and disable() restores.
+_PROCESSOR_ATTRIBUTES = ("_attention_backend", "_parallel_config")
 
 
 def _set_processor(module: torch.nn.Module, processor) -> None:
@@ -42,7 +45,7 @@ class _InstalledModel:
     model: torch.nn.Module
     state: SequenceState
     hooks: list
-    processors: list  # (name, attention module, original processor, original inner backend, our processor)
+    processors: list  # (name, attention module, original processor, its saved attributes, our processor)
     modules: list = field(default_factory=list)  # model.modules() at enable: where a cache hook is looked for
 
 
@@ -118,13 +121,13 @@ class SequenceParallelHandle:
             if accelerate_forward is not None:
                 model._old_forward, model.forward = model.forward, accelerate_forward
             originals = {id(wrapper): original for _, _, original, _, wrapper in installed.processors}
-            for _, module, original, backend, wrapper in installed.processors:
+            for _, module, original, saved, wrapper in installed.processors:
                 # A processor replaced since enabling (fuse_qkv_projections(), set_attn_processor) is
                 # the user's change: it stays.
                 if getattr(module, "processor", None) is wrapper:
                     _set_processor(module, original)
-                if hasattr(original, "_attention_backend"):
-                    original._attention_backend = backend
+                for key, value in saved.items():
+                    setattr(original, key, value)
             # Diffusers' fuse_qkv_projections() saves the processors it replaces (ours) for
             # unfuse_qkv_projections(); put the originals there instead.
             saved = getattr(installed.model, "original_attn_processors", None)
@@ -144,34 +147,16 @@ class SequenceParallelHandle:
             release_workspaces(self.group)
 
 
-def _models_of(target, family: FamilySpec) -> list[tuple[str, torch.nn.Module]]:
-    if type(target).__name__ in family.model_classes:
-        return [("", target)]
-    found, seen = [], set()
-    for attribute in family.transformer_attributes:
-        model = getattr(target, attribute, None)
-        if model is not None and id(model) not in seen:  # one module under two names (transformer_2 = transformer)
-            seen.add(id(model))
-            found.append((attribute, model))
-    if not found:
-        raise SequenceParallelConfigError(f"{type(target).__name__} has no transformer to parallelize.")
-    for attribute, model in found:
-        if type(model).__name__ not in family.model_classes:
-            raise SequenceParallelConfigError(
-                f"{type(target).__name__}.{attribute} is a {type(model).__name__}; diffusers-sp supports "
-                f"{', '.join(family.model_classes)} in this pipeline.")
-    return found
-
-
 def read_traits(target) -> PipelineTraits:
-    """Reads the traits of a supported pipeline or transformer (see :mod:`diffusers_sp.traits`).
+    """Reads the traits of a pipeline or transformer (see :mod:`diffusers_sp.traits`): every
+    transformer a pipeline holds (:func:`diffusers_sp.pipelines.resolve_target`).
 
     Raises:
-        SequenceParallelConfigError: the pipeline or model is not supported.
+        SequenceParallelConfigError: the pipeline or model holds no transformer that diffusers-sp runs.
     """
-    family = family_for(target)
-    models = tuple(family.model_traits(m, a) for a, m in _models_of(target, family))
-    return PipelineTraits(name=type(target).__name__, family=family.name, is_video=family.is_video, models=models)
+    family, models = resolve_target(target)
+    return PipelineTraits(name=type(target).__name__, family=family.name, is_video=family.is_video,
+                          models=tuple(family.model_traits(m, a) for a, m in models))
 
 
 def _check_same_on_all_ranks(group: SPGroup, fingerprint: dict) -> None:
@@ -452,9 +437,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         head_group_sizes(1, groups_opt)  # the copy engines' own check of the option
     except ValueError as exc:
         raise SequenceParallelConfigError(f"{exc}.") from None
-    traits = read_traits(target)
-    family = family_for(target)
-    models = _models_of(target, family)
+    family, models = resolve_target(target)
+    traits = PipelineTraits(name=type(target).__name__, family=family.name, is_video=family.is_video,
+                            models=tuple(family.model_traits(m, a) for a, m in models))
     if getattr(target, _HANDLE_ATTR, None) is not None or any(getattr(m, _HANDLE_ATTR, None) for _, m in models):
         raise SequenceParallelConfigError(
             f"{traits.name}: sequence parallelism is already enabled; call disable_sequence_parallel() first.")
@@ -462,9 +447,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     from .replicas import resolve_layout
 
     layout = resolve_layout(traits.name, world_size_for(process_group), cfg_parallel=cfg_parallel,
-                            sp_degree=sp_degree, family=family.name,
-                            cfg_capable=family.name in _cfg.TWO_CALL_FAMILIES + _cfg.BATCHED_FAMILIES,
-                            process_group=process_group)
+                            sp_degree=sp_degree, family=family.name, cfg_capable=family.cfg_strategy is not None,
+                            cfg_by_default=family.cfg_by_default, process_group=process_group)
     resolved = validate_mode(mode, traits, layout.sp_degree)
     for _, model in models:
         _check_no_cache(model)
@@ -567,7 +551,7 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
     processor_cls = PROCESSORS[handle.mode]
     for index, ((_, model), model_traits) in enumerate(zip(models, traits.models)):
         # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
-        state = SequenceState(group, extra={"joint_text": model_traits.joint_text})
+        state = SequenceState(group, owner=traits.name, extra={"joint_text": model_traits.joint_text})
         installed = _InstalledModel(model, state, hooks=[], processors=[], modules=list(model.modules()))
         state.check = functools.partial(_check_model, installed)
         handle._models.append(installed)
@@ -578,25 +562,30 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
             HookRegistry.check_if_exists_or_initialize(model).register_hook(
                 TileOrderHook(state, family.latent_grid, vsa["tile"]), hook_name)
             installed.hooks.append((model, hook_name))
+        dispatch = family.attention_call == "dispatch"
         for layer, (name, module) in enumerate(family.attention_modules(model)):
             inner = module.processor
-            backend = getattr(inner, "_attention_backend", None)
+            saved = {k: getattr(inner, k) for k in _PROCESSOR_ATTRIBUTES if hasattr(inner, k)}
             if vsa is None:
                 processor = processor_cls(inner, state, kernel=opts["attention_kernel"], transport=transport,
-                                          head_groups=groups_opt, kv_first=kv_first)
+                                          head_groups=groups_opt, kv_first=kv_first, dispatch=dispatch)
             else:
                 gate = vsa["gates"][index][layer] if vsa["gates"][index] is not None else None
                 processor = VideoSparseAttnProcessor(inner, state, sparsity=vsa["sparsity"], sp_mode=vsa["sp_mode"],
-                                                     gate=gate)
-            installed.processors.append((name, module, inner, backend, processor))
-            if hasattr(inner, "_attention_backend"):
+                                                     gate=gate, dispatch=dispatch)
+            installed.processors.append((name, module, inner, saved, processor))
+            if dispatch:
+                # The model's processor passes this to dispatch_attention_fn for the calls context
+                # parallelism splits; the wrapper's dispatcher runs those (processors/base.py).
+                inner._parallel_config = PARALLEL_CALL
+            elif hasattr(inner, "_attention_backend"):
                 # dispatch_attention_fn with the native backend ends in F.scaled_dot_product_attention,
                 # which the wrapper catches.
                 inner._attention_backend = "native"
             _set_processor(module, processor)
         setattr(model, _HANDLE_ATTR, handle)
     if layout.cfg_degree == 2:
-        handle._cfg_hooks = _cfg.install(target, family.name, models, pgroups, handle)
+        handle._cfg_hooks = _cfg.install(target, family.name, models, pgroups, handle, family.cfg_strategy)
     if parallel_vae:
         from .vae import install_parallel_vae
 

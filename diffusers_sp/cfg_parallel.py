@@ -54,14 +54,6 @@ from diffusers.hooks.hooks import StateManager
 from .comm import all_gather_dim0
 from .groups import ParallelGroups, SPGroup
 
-#: Families whose pipelines call the transformer once for the conditional and once for the unconditional pass.
-TWO_CALL_FAMILIES = ("wan", "flux", "qwenimage", "hunyuan_video")
-#: Families whose pipelines stack uncond and cond into one batch of 2.
-BATCHED_FAMILIES = ("cogvideox", "ltx", "mochi", "sd3")
-#: Families whose default call has no classifier-free guidance (guidance-distilled Flux and
-#: HunyuanVideo; QwenImage without a negative prompt): ``cfg_parallel="auto"`` leaves CFG
-#: parallelism off for them, since a call without CFG gains nothing from it.
-CFG_OPTIONAL_FAMILIES = ("flux", "qwenimage", "hunyuan_video")
 #: Max abs difference relative to the output's scale for the batched path (float32, CPU): a batch of
 #: 1 and a batch of 2 differ by matmul rounding only (measured ~1e-7 on the tiny models).
 BATCHED_TOLERANCE = 1e-5
@@ -82,7 +74,7 @@ _HOOK_NAME = "diffusers_sp_cfg_parallel"
 
 
 def choose_cfg_parallel(family: str | None, world_size: int, sp_degree: int | None,
-                        cfg_capable: bool) -> tuple[bool, str]:
+                        cfg_capable: bool, cfg_by_default: bool = True) -> tuple[bool, str]:
     """The rule of ``cfg_parallel="auto"``: ``(use CFG parallelism, reason)``.
 
     CFG parallelism needs an even world size (and ``sp_degree`` dividing half of it) and a target with
@@ -91,11 +83,13 @@ def choose_cfg_parallel(family: str | None, world_size: int, sp_degree: int | No
     At other even world sizes CFG parallelism is also chosen: it exchanges one output per step
     instead of collectives in every layer, while SP's efficiency falls as its degree grows (xDiT,
     arXiv 2411.01738, finds the same). The rule assumes CFG is on in the calls; with CFG off a call
-    gains nothing from it (see the module docstring).
+    gains nothing from it (see the module docstring), so families whose default calls run without CFG
+    (``cfg_by_default=False``: guidance-distilled Flux and HunyuanVideo, QwenImage without a negative
+    prompt) keep it off.
     """
     if not cfg_capable:
         return False, "no classifier-free guidance in this target"
-    if family in CFG_OPTIONAL_FAMILIES:
+    if not cfg_by_default:
         return False, (f"{family} pipelines run without classifier-free guidance by default; pass "
                        f"cfg_parallel=True for calls with true CFG")
     if world_size % 2 or world_size < 2:
@@ -291,27 +285,21 @@ class CFGParallelHook(ModelHook):
         return mine
 
 
-def strategy_for(family_name: str) -> str:
-    """``"batch"`` for families that fold CFG into the batch, ``"two_call"`` otherwise."""
-    return "batch" if family_name in BATCHED_FAMILIES else "two_call"
-
-
-def install(target, family_name: str, models: list, groups: ParallelGroups, handle, strategy: str | None = None) -> list:
+def install(target, family_name: str, models: list, groups: ParallelGroups, handle, strategy: str) -> list:
     """Installs CFG parallelism on ``models`` (after their sequence-parallel hooks).
 
     Args:
         target: The pipeline (or the model itself).
-        family_name: The family (chooses the strategy, see :func:`strategy_for`).
+        family_name: The family (Wan's negative prompt embeddings are read from ``encode_prompt``).
         models: ``[(attribute, transformer)]``.
         groups: The launch's :class:`ParallelGroups` with ``cfg_degree == 2``.
         handle: The :class:`~diffusers_sp.api.SequenceParallelHandle`; the hooks are appended to its
             models' hook lists and the pipeline patch to its patches, so ``disable()`` removes them.
-        strategy: Overrides the family's strategy (``"two_call"`` or ``"batch"``).
+        strategy: ``"two_call"`` or ``"batch"`` (the family's ``cfg_strategy``).
 
     Returns:
         The installed hooks (one per transformer; their ``stats`` count parallel / redundant calls).
     """
-    strategy = strategy or strategy_for(family_name)
     shared = CFGShared()
     hooks = []
     for (_, model), installed in zip(models, handle._models):

@@ -51,7 +51,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def resolve_layout(name: str, world_size: int, *, cfg_parallel=False, sp_degree: int | None = None,
-                   cfg_capable: bool = True, family: str | None = None,
+                   cfg_capable: bool = True, family: str | None = None, cfg_by_default: bool = True,
                    process_group=None) -> Layout:
     """Validates ``cfg_parallel`` / ``sp_degree`` against the world size and returns the layout.
 
@@ -62,7 +62,8 @@ def resolve_layout(name: str, world_size: int, *, cfg_parallel=False, sp_degree:
             :func:`diffusers_sp.cfg_parallel.choose_cfg_parallel`).
         sp_degree: Ranks per sequence-parallel group; ``None``: every rank not used by CFG.
         cfg_capable: Whether the target can use CFG parallelism (a family with CFG).
-        family: Family name, for the ``"auto"`` rule.
+        family: Family name, for the ``"auto"`` rule's messages.
+        cfg_by_default: Whether the family's default calls use CFG (the ``"auto"`` rule).
         process_group: The ``process_group`` passed to ``enable_sequence_parallel`` (``None``: the launch).
 
     Raises:
@@ -85,7 +86,7 @@ def resolve_layout(name: str, world_size: int, *, cfg_parallel=False, sp_degree:
     if cfg_parallel == "auto":
         from .cfg_parallel import choose_cfg_parallel
 
-        use_cfg, reason = choose_cfg_parallel(family, world_size, sp_degree, cfg_capable)
+        use_cfg, reason = choose_cfg_parallel(family, world_size, sp_degree, cfg_capable, cfg_by_default)
         cfg_degree = 2 if use_cfg else 1
     elif cfg_parallel:
         if not cfg_capable:

@@ -78,12 +78,22 @@ class SplitByDims:
     options: tuple
 
 
+@dataclass(frozen=True)
+class SplitEach:
+    """A plan entry for an argument holding a list (or tuple) of tensors, each split by ``spec``
+    (a ``ContextParallelInput``), e.g. ControlNet residuals: one ``[B, S, C]`` tensor per block,
+    added to the image tokens."""
+
+    spec: object
+
+
 @dataclass
 class SequenceState:
     """Per-model state shared by the sharding hooks and the attention processors.
 
     Attributes:
         group: The sequence-parallel group.
+        owner: What is parallelized, for messages: the pipeline's class name, or the model's.
         seq_len: Full (unsplit) length S of the sequence split in the current forward, set by the
             split hooks; ``None`` before the forward's first split (reset by
             :class:`SequenceForwardHook` when the model's forward begins).
@@ -97,6 +107,7 @@ class SequenceState:
     """
 
     group: SPGroup
+    owner: str = ""
     seq_len: int | None = None
     seq_source: tuple = ()
     extra: dict[str, Any] = field(default_factory=dict)
@@ -184,6 +195,10 @@ class SequenceSplitHook(ModelHook):
         return tuple(args), kwargs
 
     def _split_value(self, value, spec, what: str = "a tensor"):
+        if isinstance(spec, SplitEach):
+            if not isinstance(value, (list, tuple)):
+                return value
+            return type(value)(self._split(v, spec.spec, f"{what}[{i}]") for i, v in enumerate(value))
         if isinstance(spec, SplitByDims):
             chosen = next((o for o in spec.options if torch.is_tensor(value) and value.ndim == o.expected_dims), None)
             return value if chosen is None else self._split(value, chosen, what)
@@ -229,9 +244,11 @@ class SequenceForwardHook(ModelHook):
             i = self._params.index(name) if name in self._params else len(args)
             value = kwargs.get(name, args[i] if i < len(args) else None)
             if value is not None:
+                owner = f"{self.state.owner}: " if self.state.owner and self.state.owner != type(module).__name__ else ""
                 raise SequenceParallelConfigError(
-                    f"{type(module).__name__}: argument {name!r} ({why}) is not supported under sequence "
-                    f"parallelism; call the model without it, or disable sequence parallelism.")
+                    f"{owner}{type(module).__name__} was called with {name!r} ({why}), which its sharding plan does "
+                    f"not split, so sequence parallelism cannot run this call exactly; call it without "
+                    f"{name!r}, or disable sequence parallelism for it.")
         return args, kwargs
 
 

@@ -1,10 +1,10 @@
 """Cases run on every rank by tests/test_families.py (see tests/distributed.py).
 
-Every family's tiny transformer (built from its real config class) is compared with one process in
-both modes; image/video token counts are 35 (5 x 7), which divides neither 2 nor 3. Families with a
-text mask get a batch of two prompts of different lengths (7 and 4 valid text tokens); text lengths
-vary from 1 to 8. Functional cases check the joint-attention strategies directly (text prefix and
-suffix, boolean and additive key padding masks, per-head masks).
+Every forward and every pipeline of the tiny family configs in ``tests/families/`` is compared with
+one process in both dense modes (a case each, made below from the configs); image/video token counts
+are 35 (5 x 7) in the forwards, which divides neither 2 nor 3. Functional cases check the
+joint-attention strategies directly (text prefix and suffix, boolean and additive key padding masks,
+per-head masks); error cases check the refusals.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from diffusers_sp import disable_sequence_parallel, enable_sequence_parallel
 from diffusers_sp import tiny_models as tm
 
+import families
 from distributed import compare, error_of
 
 MODES = ("ulysses", "kv_gather")
@@ -116,137 +117,48 @@ def case_functional_no_text():
     return _functional(0, None, None, heads=4)
 
 
-# ------------------------------------------------------------------ transformers, one per family
+# ------------------------------------------------------------------ every family's forwards and pipelines
+# (the tiny configs of tests/families/; one case per forward and per pipeline, defined below)
 
 
-def case_transformer_flux():
-    g = _gen()
-    model = tm.tiny_flux_transformer(guidance_embeds=True)
-    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(5.0), torch.arange(7.0), indexing="ij"),
-                      -1).reshape(-1, 3)
-    kwargs = dict(hidden_states=torch.randn(2, 35, 4, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
-                  pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([0.5, 0.25]),
-                  guidance=torch.tensor([3.5, 3.5]), img_ids=ids, txt_ids=torch.zeros(7, 3))
+def _forward_case(name: str) -> dict:
+    model, kwargs = families.forward_cases()[name]()
     return _forward_all_modes(model, kwargs)
 
 
-def case_transformer_flux_3d_ids():
-    """Flux with the deprecated ``[B, S, 3]`` ids that Diffusers still accepts (its forward takes
-    ``ids[0]``): the 3-D ``img_ids`` passed unsplit and each rank's RoPE covered every image token, a
-    shape error in attention whose sizes differed per rank (review, seventh session)."""
-    g = _gen()
-    model = tm.tiny_flux_transformer(guidance_embeds=True)
-    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(5.0), torch.arange(7.0), indexing="ij"),
-                      -1).reshape(1, -1, 3)
-    kwargs = dict(hidden_states=torch.randn(1, 35, 4, generator=g), encoder_hidden_states=torch.randn(1, 7, 32, generator=g),
-                  pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
-                  guidance=torch.tensor([3.5]), img_ids=ids, txt_ids=torch.zeros(1, 7, 3))
-    return _forward_all_modes(model, kwargs)
+_PIPES: dict = {}
 
 
-def case_transformer_hunyuan_video_ragged_prompts():
-    g = _gen()
-    model = tm.tiny_hunyuan_video_transformer()
-    kwargs = dict(hidden_states=torch.randn(2, 4, 1, 5, 7, generator=g),
-                  encoder_hidden_states=torch.randn(2, 7, 16, generator=g),
-                  encoder_attention_mask=_ragged_mask([7, 4], 7), pooled_projections=torch.randn(2, 8, generator=g),
-                  timestep=torch.tensor([500, 250]), guidance=torch.tensor([6000.0, 6000.0]))
-    return _forward_all_modes(model, kwargs)
+def _pipe(name: str):
+    if name not in _PIPES:
+        _PIPES.clear()  # one tiny pipeline alive at a time
+        _PIPES[name] = families.pipeline_cases()[name].build()
+        _PIPES[name].set_progress_bar_config(disable=True)
+    return _PIPES[name]
 
 
-def case_transformer_qwenimage_ragged_prompts():
-    g = _gen()
-    model = tm.tiny_qwenimage_transformer()
-    kwargs = dict(hidden_states=torch.randn(2, 35, 16, generator=g), encoder_hidden_states=torch.randn(2, 8, 16, generator=g),
-                  encoder_hidden_states_mask=_ragged_mask([8, 3], 8), timestep=torch.tensor([0.5, 0.25]),
-                  img_shapes=[[(1, 5, 7)]] * 2)
-    return _forward_all_modes(model, kwargs)
+def _first_tensor(out):
+    """The latents of a pipeline output (``frames``, ``images`` or the first tensor it holds)."""
+    for key in ("frames", "images", "latents"):
+        value = getattr(out, key, None)
+        if value is not None:
+            return torch.as_tensor(value)
+    values = out.values() if isinstance(out, dict) else out
+    return next(torch.as_tensor(v) for v in values if torch.is_tensor(v))
 
 
-def case_transformer_cogvideox():
-    g = _gen()
-    model = tm.tiny_cogvideox_transformer()
-    kwargs = dict(hidden_states=torch.randn(2, 1, 4, 10, 14, generator=g),
-                  encoder_hidden_states=torch.randn(2, 8, 32, generator=g), timestep=torch.tensor([500, 250]))
-    return _forward_all_modes(model, kwargs)
-
-
-def case_transformer_cogvideox_rope():
-    """CogVideoX 1.5 / 5b style: RoPE tables passed by the pipeline as image_rotary_emb, split at the input."""
-    g = _gen()
-    model = tm.tiny_cogvideox_transformer(use_rotary_positional_embeddings=True)
-    rope = (torch.randn(35, 16, generator=g), torch.randn(35, 16, generator=g))
-    kwargs = dict(hidden_states=torch.randn(2, 1, 4, 10, 14, generator=g),
-                  encoder_hidden_states=torch.randn(2, 8, 32, generator=g), timestep=torch.tensor([500, 250]),
-                  image_rotary_emb=rope)
-    return _forward_all_modes(model, kwargs)
-
-
-def case_transformer_ltx_ragged_prompts():
-    g = _gen()
-    model = tm.tiny_ltx_transformer()
-    kwargs = dict(hidden_states=torch.randn(2, 35, 8, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
-                  encoder_attention_mask=_ragged_mask([7, 4], 7), timestep=torch.tensor([500, 250]),
-                  num_frames=1, height=5, width=7)
-    return _forward_all_modes(model, kwargs)
-
-
-def case_transformer_mochi_ragged_prompts():
-    g = _gen()
-    model = tm.tiny_mochi_transformer()
-    kwargs = dict(hidden_states=torch.randn(2, 12, 1, 10, 14, generator=g),
-                  encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
-                  encoder_attention_mask=_ragged_mask([7, 4], 7), timestep=torch.tensor([500, 250]))
-    return _forward_all_modes(model, kwargs)
-
-
-def case_transformer_sd3():
-    g = _gen()
-    model = tm.tiny_sd3_transformer()
-    kwargs = dict(hidden_states=torch.randn(2, 4, 5, 7, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
-                  pooled_projections=torch.randn(2, 64, generator=g), timestep=torch.tensor([500, 250]))
-    return _forward_all_modes(model, kwargs)
-
-
-# ------------------------------------------------------------------ full pipelines, one per family
-
-#: A batch of two prompts of different lengths (10 and 2 words): ragged text masks where the family
-#: takes one, and CFG folded into the batch (HunyuanVideo/QwenImage run CFG as separate passes).
-PROMPTS = ["a cat runs on the grass under the blue sky", "a dog"]
-
-PIPELINE_CALLS = {
-    "flux": (tm.tiny_flux_pipeline, dict(height=10, width=14, max_sequence_length=8, guidance_scale=3.5)),
-    "sd3": (tm.tiny_sd3_pipeline, dict(height=5, width=7, max_sequence_length=8, guidance_scale=5.0)),
-    "hunyuan_video": (tm.tiny_hunyuan_video_pipeline,
-                      dict(height=80, width=112, num_frames=1, max_sequence_length=8, guidance_scale=6.0,
-                           prompt_template={"template": "{}", "crop_start": 0})),
-    "qwenimage": (tm.tiny_qwenimage_pipeline,
-                  dict(height=40, width=56, negative_prompt=["rain", "snow at night over the city"], true_cfg_scale=4.0)),
-    "cogvideox": (tm.tiny_cogvideox_pipeline,
-                  dict(height=80, width=112, num_frames=1, max_sequence_length=8, guidance_scale=6.0)),
-    "ltx": (tm.tiny_ltx_pipeline, dict(height=160, width=224, num_frames=1, max_sequence_length=8, guidance_scale=3.0)),
-    "mochi": (tm.tiny_mochi_pipeline, dict(height=80, width=112, num_frames=1, max_sequence_length=8, guidance_scale=4.5)),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _pipe(family: str):
-    pipe = PIPELINE_CALLS[family][0]()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _pipeline_all_modes(family: str, modes=MODES) -> dict:
-    pipe = _pipe(family)
-    call = dict(PIPELINE_CALLS[family][1], prompt=PROMPTS, num_inference_steps=2, output_type="latent")
+def _pipeline_case(name: str) -> dict:
+    spec = families.pipeline_cases()[name]
+    pipe = _pipe(name)
+    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
+    call.update(spec.call())
 
     def run():
-        out = pipe(**call, generator=torch.Generator().manual_seed(0))
-        return torch.as_tensor(out.frames if hasattr(out, "frames") else out.images)
+        return _first_tensor(pipe(**call, generator=torch.Generator().manual_seed(0)))
 
     ref = run()
     results = {}
-    for mode in modes:
+    for mode in spec.modes:
         handle = enable_sequence_parallel(pipe, mode=mode)
         try:
             results[mode] = compare(ref, run())
@@ -256,32 +168,28 @@ def _pipeline_all_modes(family: str, modes=MODES) -> dict:
     return results
 
 
-def case_pipeline_flux():
-    return _pipeline_all_modes("flux")
+def _refusal_case(name: str) -> str:
+    """The error refusing pipeline ``name`` (at enable, or at the refused call), on this rank."""
+    spec = families.refusal_cases()[name]
+    pipe = spec.build()
+    pipe.set_progress_bar_config(disable=True)
+    if spec.call is None:
+        return error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather"))
+    enable_sequence_parallel(pipe, mode="kv_gather")
+    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
+    call.update(spec.call())
+    try:
+        return error_of(lambda: pipe(**call, generator=torch.Generator().manual_seed(0)))
+    finally:
+        disable_sequence_parallel(pipe)
 
 
-def case_pipeline_sd3():
-    return _pipeline_all_modes("sd3")
-
-
-def case_pipeline_hunyuan_video():
-    return _pipeline_all_modes("hunyuan_video")
-
-
-def case_pipeline_qwenimage():
-    return _pipeline_all_modes("qwenimage")
-
-
-def case_pipeline_cogvideox():
-    return _pipeline_all_modes("cogvideox")
-
-
-def case_pipeline_ltx():
-    return _pipeline_all_modes("ltx")
-
-
-def case_pipeline_mochi():
-    return _pipeline_all_modes("mochi")
+for _name in families.refusal_cases():
+    globals()[f"case_refusal_{_name}"] = functools.partial(_refusal_case, _name)
+for _name in families.forward_cases():
+    globals()[f"case_transformer_{_name}"] = functools.partial(_forward_case, _name)
+for _name in families.pipeline_cases():
+    globals()[f"case_pipeline_{_name}"] = functools.partial(_pipeline_case, _name)
 
 
 # ------------------------------------------------------------------ errors and mode choice

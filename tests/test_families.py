@@ -1,24 +1,23 @@
-"""Every supported family under sequence parallelism equals one process (float32, CPU/gloo, P = 2, 3).
+"""Every family under sequence parallelism equals one process (float32, CPU/gloo, P = 2, 3).
 
 Each world size spawns its processes once and runs every case of tests/cases_families.py inside
-them: the joint-attention strategies on raw tensors, each family's tiny transformer (ragged text
-masks where the family takes one), one full pipeline call per family (2 steps, a batch of two
-prompts of different lengths), and the errors.
+them: the joint-attention strategies on raw tensors, every forward and every pipeline of the tiny
+family configs in tests/families/ (a batch of two prompts of different lengths where the family takes
+a text mask), and the errors.
 """
 
 from __future__ import annotations
 
 import pytest
 
+import families
 from distributed import assert_close, run_cases, values
 
 WORLD_SIZES = (2, 3)
 MODES = ("ulysses", "kv_gather")
-TOKENS = 35  # image/video tokens of every case: divides neither 2 nor 3
-
-FAMILIES = ("flux", "sd3", "hunyuan_video", "qwenimage", "cogvideox", "ltx", "mochi")
-TRANSFORMER_CASES = ("flux", "flux_3d_ids", "hunyuan_video_ragged_prompts", "qwenimage_ragged_prompts", "cogvideox",
-                     "cogvideox_rope", "ltx_ragged_prompts", "mochi_ragged_prompts", "sd3")
+TOKENS = families.TOKENS  # image/video tokens of every forward case: divides neither 2 nor 3
+FORWARDS = tuple(families.forward_cases())
+PIPELINES = families.pipeline_cases()
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda p: f"P{p}")
@@ -36,7 +35,7 @@ def test_joint_attention_strategies_exact(results, case):
             assert_close(v[f"{mode} start/finish"], f"P={P} rank {rank} {case} {mode} start/finish")
 
 
-@pytest.mark.parametrize("case", TRANSFORMER_CASES)
+@pytest.mark.parametrize("case", FORWARDS)
 def test_transformer_forward_equals_one_process(results, case):
     P, res = results
     for rank, v in enumerate(values(res, f"transformer_{case}")):
@@ -48,13 +47,22 @@ def test_transformer_forward_equals_one_process(results, case):
         assert v["restored_bitwise"], f"P={P} rank {rank}: disable did not restore the outputs bit for bit"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_pipeline_equals_one_process(results, family):
+@pytest.mark.parametrize("pipeline", tuple(PIPELINES))
+def test_pipeline_equals_one_process(results, pipeline):
     P, res = results
-    for rank, v in enumerate(values(res, f"pipeline_{family}")):
-        for mode in MODES:
-            assert_close(v[mode], f"P={P} rank {rank} {family} pipeline {mode}")
-            assert v[mode]["seq_len"] == TOKENS
+    spec = PIPELINES[pipeline]
+    for rank, v in enumerate(values(res, f"pipeline_{pipeline}")):
+        for mode in spec.modes:
+            assert_close(v[mode], f"P={P} rank {rank} {pipeline} {mode}")
+            assert v[mode]["seq_len"] == spec.tokens, "the transformer did not run split as expected"
+
+
+@pytest.mark.parametrize("pipeline", tuple(families.refusal_cases()))
+def test_refused_pipeline_refused_alike_on_every_rank(results, pipeline):
+    P, res = results
+    msgs = values(res, f"refusal_{pipeline}")
+    assert len(set(msgs)) == 1, msgs
+    assert msgs[0] != "no error" and families.refusal_cases()[pipeline].match in msgs[0], msgs[0]
 
 
 def test_query_dependent_mask_raises_on_every_rank(results):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffusers_sp import SequenceParallelConfigError, enable_sequence_parallel
-from diffusers_sp.pipelines import FAMILIES, family_for, plan_without, supported_pipelines
+from diffusers_sp.pipelines import FAMILIES, family_for_model, plan_without, supported_models
 from diffusers_sp.processors.base import join_text_image, normalize_key_padding_mask, split_text_image
 from diffusers_sp.traits import ModelTraits, PipelineTraits
 from diffusers_sp.validation import choose_auto_mode, validate_mode
@@ -45,14 +45,14 @@ def test_plans_keep_text_replicated():
 
     for build in (tm.tiny_flux_transformer, tm.tiny_qwenimage_transformer, tm.tiny_ltx_transformer):
         model = build()
-        plan = family_for(model).sharding_plan(model)
+        plan = family_for_model(model).sharding_plan(model)
         text = repr(plan)
         for name in ("encoder_hidden_states", "txt_ids", "encoder_attention_mask"):
             for key, entry in plan.items():
                 if isinstance(entry, dict):
                     assert name not in entry, (type(model).__name__, key, text)
     qwen = tm.tiny_qwenimage_transformer()
-    assert list(family_for(qwen).sharding_plan(qwen)["pos_embed"]) == [0]  # txt_freqs (output 1) stays whole
+    assert list(family_for_model(qwen).sharding_plan(qwen)["pos_embed"]) == [0]  # txt_freqs (output 1) stays whole
 
 
 def test_plan_without():
@@ -61,17 +61,31 @@ def test_plan_without():
     assert plan == {"": {"a": 1, "b": 2}, "x": {"c": 3}, "out": "gather"}
 
 
-def test_unsupported_pipeline_lists_supported():
-    class StableCascadeCombinedPipeline:  # any class the registry does not know
+def test_unsupported_target_lists_what_runs():
+    class StableCascadeCombinedPipeline:  # not a Diffusers pipeline or transformer
         pass
 
     with pytest.raises(SequenceParallelConfigError) as exc:
         enable_sequence_parallel(StableCascadeCombinedPipeline(), mode="auto")
-    for name in supported_pipelines():
+    for name in supported_models():
         assert name in str(exc.value)
-    for name in ("HunyuanVideoPipeline", "CogVideoXPipeline", "LTXPipeline", "MochiPipeline", "FluxPipeline",
-                 "StableDiffusion3Pipeline", "QwenImagePipeline"):
-        assert name in supported_pipelines()
+
+
+def test_pipelines_accepted_by_what_they_hold():
+    """A pipeline class no family names runs when its transformer does (FluxKontext holds a Flux
+    transformer); one holding a transformer nothing runs is refused, naming the component."""
+    from diffusers import FluxKontextPipeline, FluxTransformer2DModel
+
+    from diffusers_sp import tiny_models as tm
+    from diffusers_sp.pipelines import resolve_target
+
+    flux = tm.tiny_flux_pipeline()
+    kontext = FluxKontextPipeline(**flux.components)
+    family, models = resolve_target(kontext)
+    assert family.name == "flux" and [(a, type(m)) for a, m in models] == [("transformer", FluxTransformer2DModel)]
+    kontext.register_modules(transformer=torch.nn.Linear(2, 2))
+    with pytest.raises(SequenceParallelConfigError, match=r"FluxKontextPipeline.transformer is a Linear"):
+        enable_sequence_parallel(kontext, mode="auto")
 
 
 def _traits(heads: int) -> PipelineTraits:

@@ -67,7 +67,7 @@ def test_random_draws_agree_across_ranks(results):
     ("error_unknown_option", ["sparsity", "attention_kernel"]),
     ("error_bad_overlap_query_projection", ["overlap_query_projection", "True or False", "'yes'"]),
     ("error_already_enabled", ["already enabled", "disable_sequence_parallel"]),
-    ("error_unsupported_model", ["AutoencoderKLWan", "WanPipeline", "WanTransformer3DModel"]),
+    ("error_unsupported_model", ["AutoencoderKLWan", "not a transformer", "WanTransformer3DModel"]),
     ("error_bad_process_group", ["ProcessGroup"]),
     ("error_timestep_b1", ["argument 'timestep' of WanTransformer3DModel of shape [1, 1]", "[B, 1]"]),
     ("error_timestep_one_token_short", ["inputs disagree on the sequence length", "'timestep'", "[1, 174]",

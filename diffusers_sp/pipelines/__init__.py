@@ -1,7 +1,13 @@
-"""Model families: one module per family with its traits and its sharding plan.
+"""Model families: one module per family of transformers, with its traits and its sharding plan.
 
-:data:`FAMILIES` is the registry that :func:`diffusers_sp.enable_sequence_parallel` looks pipelines
-and models up in; the README's table of supported pipelines is checked against it by a test.
+A family is keyed by the transformer classes it parallelizes, never by pipeline: any Diffusers
+pipeline is accepted by what it holds (see :func:`transformers_of`), so FluxKontext, Flux Fill or
+a ControlNet pipeline runs wherever its ``transformer`` does. A transformer class that has no
+family module but ships a Diffusers ``_cp_plan`` runs through that plan
+(:mod:`diffusers_sp.pipelines.cp_plan`).
+
+:data:`FAMILIES` is the registry; :mod:`diffusers_sp.coverage` builds the README's table of every
+Diffusers pipeline from it.
 """
 
 from __future__ import annotations
@@ -10,29 +16,33 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from diffusers.models._modeling_parallel import ContextParallelInput
 
+from ..sharding import SplitEach
 from ..traits import ModelTraits
 from ..validation import SequenceParallelConfigError
+
+#: Plan entry for ControlNet residuals: a list of ``[B, S, C]`` tensors, one per block, added to the
+#: image tokens, so each is split like them (the ControlNet itself runs whole on every rank).
+CONTROLNET_RESIDUALS = SplitEach(ContextParallelInput(split_dim=1, expected_dims=3, split_output=False))
 
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """How one model family is parallelized.
+    """How one family of transformers is parallelized.
 
     Attributes:
         name: Family name (module name in this package), e.g. ``"wan"``.
-        pipeline_classes: Diffusers pipeline class names the family supports.
-        model_classes: Transformer class names the family supports.
+        model_classes: Transformer class names the family parallelizes.
         is_video: Whether the family's latents are videos.
         patch_size: ``model -> (p_t, p_h, p_w)`` (video) or ``(p_h, p_w)`` (image), read from the
             model's config; may raise SequenceParallelConfigError for a config the family cannot run.
         sharding_plan: ``model -> plan`` in ``_cp_plan`` format (see :mod:`diffusers_sp.sharding`).
         attention_modules: ``model -> [(qualified name, module)]``: the self-attention modules whose
-            processors are wrapped (cross-attention is left alone).
-        transformer_attributes: Pipeline attributes that may hold a transformer to parallelize.
+            processors are wrapped (cross-attention over the replicated text is left alone).
         joint_text: Where text tokens sit in the family's self-attention sequence: ``None`` (text
-            only in cross-attention, or no text), ``"prefix"`` or ``"suffix"`` (for the README table;
-            copied into every model's :class:`ModelTraits`).
+            only in cross-attention, or no text), ``"prefix"`` or ``"suffix"`` (copied into every
+            model's :class:`ModelTraits`).
         text_mask: Whether the family applies a text key padding mask (ragged prompts).
         modes: Sequence-parallel modes that run exactly for the family (README table, tests).
         latent_grid: ``(model, args, kwargs) -> (T, H, W)``: the patchified latent grid of a forward
@@ -42,39 +52,65 @@ class FamilySpec:
             (``overlap_query_projection``; see
             :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`, ``kv_first``).
         unsupported_inputs: ``{forward argument: what it is}``: arguments the family's plan does not
-            split (e.g. ControlNet residuals over every image token); a forward passing one that is
-            not ``None`` raises SequenceParallelConfigError on every rank, before any collective.
+            split; a forward passing one that is not ``None`` raises SequenceParallelConfigError on
+            every rank, before any collective.
+        attention_call: How the processors' attention calls are found: ``"sdpa"`` (every
+            ``F.scaled_dot_product_attention`` call inside a wrapped processor is the self-attention)
+            or ``"dispatch"`` (the calls the model's processor marks for context parallelism through
+            ``dispatch_attention_fn``; see :mod:`diffusers_sp.pipelines.cp_plan`).
+        cfg_strategy: How the family's pipelines run classifier-free guidance, for CFG parallelism
+            (:mod:`diffusers_sp.cfg_parallel`): ``"two_call"`` (a conditional and an unconditional
+            transformer call per step), ``"batch"`` (both folded into a batch of 2) or ``None`` (no
+            CFG parallelism).
+        cfg_by_default: Whether the family's default pipeline calls use CFG (``cfg_parallel="auto"``
+            leaves CFG parallelism off when they do not, e.g. guidance-distilled Flux).
+        note: One line for the README's coverage table (what the family's plan splits, or a limit).
     """
 
     name: str
-    pipeline_classes: tuple[str, ...]
     model_classes: tuple[str, ...]
     is_video: bool
     patch_size: Callable[[torch.nn.Module], tuple[int, ...]]
     sharding_plan: Callable[[torch.nn.Module], dict]
     attention_modules: Callable[[torch.nn.Module], list]
-    transformer_attributes: tuple[str, ...] = ("transformer",)
     joint_text: str | None = None
     text_mask: bool = False
     modes: tuple[str, ...] = ("ulysses", "kv_gather")
     latent_grid: Callable | None = None
     self_attention_kv_first: Callable | None = None
     unsupported_inputs: dict = field(default_factory=dict)
+    attention_call: str = "sdpa"
+    cfg_strategy: str | None = None
+    cfg_by_default: bool = True
+    note: str = ""
 
     def model_traits(self, model: torch.nn.Module, attribute: str) -> ModelTraits:
         """The :class:`~diffusers_sp.traits.ModelTraits` of ``model`` (held as ``attribute`` by its
-        pipeline, ``""`` for a bare model): heads and head dim from the config (every supported
-        family names them ``num_attention_heads`` / ``attention_head_dim``), the rest from this spec.
+        pipeline, ``""`` for a bare model): heads and head dim from the config (``num_attention_heads``
+        / ``attention_head_dim``, or read from the first attention module), the rest from this spec.
 
         Raises:
-            SequenceParallelConfigError: from :attr:`patch_size`, for a config the family cannot run.
+            SequenceParallelConfigError: from :attr:`patch_size`, for a config the family cannot run,
+                or a model without self-attention modules to split.
         """
+        modules = self.attention_modules(model)
+        if not modules:
+            raise SequenceParallelConfigError(
+                f"{type(model).__name__}: no self-attention module to split was found (family {self.name!r}).")
         cfg = model.config
+        heads = getattr(cfg, "num_attention_heads", None) or getattr(modules[0][1], "heads", None)
+        head_dim = getattr(cfg, "attention_head_dim", None) or _head_dim(modules[0][1])
         return ModelTraits(
-            name=type(model).__name__, attribute=attribute, num_heads=int(cfg.num_attention_heads),
-            head_dim=int(cfg.attention_head_dim), is_video=self.is_video, patch_size=self.patch_size(model),
-            joint_text=self.joint_text, text_mask=self.text_mask,
-            num_attention_layers=len(self.attention_modules(model)))
+            name=type(model).__name__, attribute=attribute, num_heads=int(heads), head_dim=int(head_dim),
+            is_video=self.is_video, patch_size=self.patch_size(model), joint_text=self.joint_text,
+            text_mask=self.text_mask, num_attention_layers=len(modules))
+
+
+def _head_dim(module) -> int:
+    """Head dimension of a Diffusers attention module: query width over heads."""
+    to_q = getattr(module, "to_q", None) or getattr(module, "to_qkv", None)
+    width = to_q.out_features // (3 if to_q is getattr(module, "to_qkv", None) else 1)
+    return width // int(module.heads)
 
 
 def plan_without(plan: dict, drop: dict) -> dict:
@@ -115,28 +151,74 @@ def _registry() -> tuple[FamilySpec, ...]:
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
-
-
-def supported_pipelines() -> list[str]:
-    """Names of every supported pipeline class."""
-    return [p for f in FAMILIES for p in f.pipeline_classes]
+_BY_MODEL = {cls: fam for fam in FAMILIES for cls in fam.model_classes}
 
 
 def supported_models() -> list[str]:
-    """Names of every supported transformer class."""
+    """Names of every transformer class with a family module (models with a Diffusers ``_cp_plan``
+    run too: see :func:`family_for_model`)."""
     return [m for f in FAMILIES for m in f.model_classes]
 
 
-def family_for(target) -> FamilySpec:
-    """The family that supports ``target`` (a pipeline or a transformer), by its class.
+def family_for_model(model) -> FamilySpec | None:
+    """The family that parallelizes ``model`` (a transformer), by its class; a family made from the
+    class's Diffusers ``_cp_plan`` when no family module names it; ``None`` when neither exists."""
+    spec = _BY_MODEL.get(type(model).__name__)
+    if spec is None and getattr(type(model), "_cp_plan", None):
+        from .cp_plan import cp_plan_family
+
+        spec = cp_plan_family(type(model))
+    return spec
+
+
+def transformers_of(pipeline) -> list[tuple[str, torch.nn.Module]]:
+    """The ``(attribute, model)`` pairs of a Diffusers pipeline's transformers: the components whose
+    name contains ``"transformer"`` (``transformer``, ``transformer_2``, ...), each module once."""
+    found, seen = [], set()
+    config = getattr(pipeline, "config", {}) or {}
+    for name in config:
+        if name.startswith("_") or "transformer" not in name:
+            continue
+        model = getattr(pipeline, name, None)
+        if isinstance(model, torch.nn.Module) and id(model) not in seen:  # transformer_2 = transformer
+            seen.add(id(model))
+            found.append((name, model))
+    return found
+
+
+def resolve_target(target) -> tuple[FamilySpec, list[tuple[str, torch.nn.Module]]]:
+    """The family and the ``(attribute, model)`` pairs to parallelize for ``target``, a Diffusers
+    pipeline (every transformer it holds) or a transformer model (``attribute`` ``""``).
 
     Raises:
-        SequenceParallelConfigError: no family supports the class; the message lists those that do.
+        SequenceParallelConfigError: ``target`` holds no transformer, a transformer of a class no
+            family parallelizes (the message lists those that run), or transformers of two families.
     """
-    cls_name = type(target).__name__
-    for fam in FAMILIES:
-        if cls_name in fam.pipeline_classes or cls_name in fam.model_classes:
-            return fam
-    raise SequenceParallelConfigError(
-        f"{cls_name} is not supported by diffusers-sp. Supported pipelines: {', '.join(supported_pipelines())}; "
-        f"supported transformers (pass pipe.transformer): {', '.join(supported_models())}.")
+    name = type(target).__name__
+    if family_for_model(target) is not None:
+        return family_for_model(target), [("", target)]
+    from diffusers import DiffusionPipeline, ModelMixin
+
+    models = transformers_of(target) if isinstance(target, DiffusionPipeline) else []
+    if not models:
+        what = ("a Diffusers pipeline without a transformer" if isinstance(target, DiffusionPipeline) else
+                "a model that is not a transformer diffusers-sp parallelizes" if isinstance(target, ModelMixin) else
+                "not a Diffusers pipeline or model")
+        raise SequenceParallelConfigError(
+            f"{name} is {what}: diffusers-sp splits the token sequence of a diffusion transformer (DiT); pass "
+            f"a pipeline or its transformer. Transformers it runs: {', '.join(supported_models())}, and any "
+            f"transformer with a Diffusers _cp_plan.")
+    families = []
+    for attribute, model in models:
+        spec = family_for_model(model)
+        if spec is None:
+            raise SequenceParallelConfigError(
+                f"{name}.{attribute} is a {type(model).__name__}, which diffusers-sp does not parallelize yet. "
+                f"Transformers it runs: {', '.join(supported_models())}, and any transformer with a Diffusers "
+                f"_cp_plan; see the coverage table in the README.")
+        families.append(spec)
+    if len({f.name for f in families}) > 1:
+        raise SequenceParallelConfigError(
+            f"{name} holds transformers of different families ({', '.join(f'{a}: {type(m).__name__}' for a, m in models)}); "
+            f"enable sequence parallelism on each transformer instead.")
+    return families[0], models

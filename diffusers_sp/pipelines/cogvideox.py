@@ -43,7 +43,6 @@ def cogvideox_attention_modules(model) -> list:
 
 COGVIDEOX = FamilySpec(
     name="cogvideox",
-    pipeline_classes=("CogVideoXPipeline",),
     model_classes=("CogVideoXTransformer3DModel",),
     is_video=True,
     patch_size=cogvideox_patch_size,
@@ -51,4 +50,5 @@ COGVIDEOX = FamilySpec(
     attention_modules=cogvideox_attention_modules,
     joint_text="prefix",
     text_mask=False,
+    cfg_strategy="batch",
 )

@@ -13,8 +13,9 @@ gather ``proj_out``. Guidance, timestep and pooled projections stay whole. Diffu
 the deprecated ``[B, S, 3]`` ids (its forward takes ``ids[0]``): such ``img_ids`` are split along
 dim 1 (:class:`~diffusers_sp.sharding.SplitByDims`), 3-D ``txt_ids`` pass whole.
 
-ControlNet residuals (``controlnet_block_samples``, ``controlnet_single_block_samples``) hold every
-image token and are not split: a forward that passes them is refused (see :data:`FLUX`).
+ControlNet residuals (``controlnet_block_samples``, ``controlnet_single_block_samples``: one
+``[B, S, C]`` tensor per block, added to the image tokens) are split like the image tokens
+(:data:`~diffusers_sp.pipelines.CONTROLNET_RESIDUALS`); the ControlNet itself runs whole on every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
 from ..sharding import SplitByDims
-from . import FamilySpec, plan_without
+from . import CONTROLNET_RESIDUALS, FamilySpec, plan_without
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "txt_ids")}
 _IMG_IDS = SplitByDims((ContextParallelInput(split_dim=0, expected_dims=2, split_output=False),
@@ -46,6 +47,8 @@ def flux_sharding_plan(model) -> dict:
     plan = plan_without(plan, _TEXT_ENTRIES) if plan else dict(_FLUX_PLAN)
     if "img_ids" in plan.get("", {}):
         plan[""] = {**plan[""], "img_ids": _IMG_IDS}
+    plan[""] = {**plan.get("", {}), "controlnet_block_samples": CONTROLNET_RESIDUALS,
+                "controlnet_single_block_samples": CONTROLNET_RESIDUALS}
     return plan
 
 
@@ -57,7 +60,6 @@ def flux_attention_modules(model) -> list:
 
 FLUX = FamilySpec(
     name="flux",
-    pipeline_classes=("FluxPipeline",),
     model_classes=("FluxTransformer2DModel",),
     is_video=False,
     patch_size=flux_patch_size,
@@ -65,6 +67,6 @@ FLUX = FamilySpec(
     attention_modules=flux_attention_modules,
     joint_text="prefix",
     text_mask=False,
-    unsupported_inputs={"controlnet_block_samples": "ControlNet residuals",
-                        "controlnet_single_block_samples": "ControlNet residuals"},
+    cfg_strategy="two_call",
+    cfg_by_default=False,
 )

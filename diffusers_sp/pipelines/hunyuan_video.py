@@ -60,7 +60,6 @@ def hunyuan_video_attention_modules(model) -> list:
 
 HUNYUAN_VIDEO = FamilySpec(
     name="hunyuan_video",
-    pipeline_classes=("HunyuanVideoPipeline",),
     model_classes=("HunyuanVideoTransformer3DModel",),
     is_video=True,
     patch_size=hunyuan_video_patch_size,
@@ -68,4 +67,6 @@ HUNYUAN_VIDEO = FamilySpec(
     attention_modules=hunyuan_video_attention_modules,
     joint_text="suffix",
     text_mask=True,
+    cfg_strategy="two_call",
+    cfg_by_default=False,
 )

@@ -7,7 +7,9 @@ communication and is left alone: each rank's video rows attend to the whole, rep
 Sharding plan: derived from the model's Diffusers ``_cp_plan`` by dropping its text entries
 (``encoder_hidden_states`` and ``encoder_attention_mask``, which Diffusers shards and we keep
 replicated): split ``hidden_states`` (``[B, S, C]``, dim 1) at the model input and the RoPE tables
-``rope`` returns (``[B, S, D]``, dim 1); gather ``proj_out``.
+``rope`` returns (``[B, S, D]``, dim 1); gather ``proj_out``. The image-to-video and condition
+pipelines pass one timestep per token (``timestep`` ``[B, S]``: the conditioning frames' tokens
+keep timestep 0), which is split with the tokens; a ``[B]`` timestep passes whole.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from diffusers.models._modeling_parallel import ContextParallelInput, ContextPar
 from . import FamilySpec, plan_without
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "encoder_attention_mask")}
+_TIMESTEP = {"timestep": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)}
 _LTX_PLAN = {
     "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
     "rope": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True),
@@ -31,9 +34,11 @@ def ltx_patch_size(model) -> tuple[int, ...]:
 
 
 def ltx_sharding_plan(model) -> dict:
-    """The model's ``_cp_plan`` without its text entries (see the module docstring)."""
+    """The model's ``_cp_plan`` without its text entries, with per-token timesteps (see the module docstring)."""
     plan = getattr(model, "_cp_plan", None)
-    return plan_without(plan, _TEXT_ENTRIES) if plan else dict(_LTX_PLAN)
+    plan = plan_without(plan, _TEXT_ENTRIES) if plan else dict(_LTX_PLAN)
+    plan[""] = {**plan.get("", {}), **_TIMESTEP}
+    return plan
 
 
 def ltx_attention_modules(model) -> list:
@@ -43,7 +48,6 @@ def ltx_attention_modules(model) -> list:
 
 LTX = FamilySpec(
     name="ltx",
-    pipeline_classes=("LTXPipeline",),
     model_classes=("LTXVideoTransformer3DModel",),
     is_video=True,
     patch_size=ltx_patch_size,
@@ -51,4 +55,5 @@ LTX = FamilySpec(
     attention_modules=ltx_attention_modules,
     joint_text=None,
     text_mask=True,
+    cfg_strategy="batch",
 )

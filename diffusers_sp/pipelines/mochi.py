@@ -43,7 +43,6 @@ def mochi_attention_modules(model) -> list:
 
 MOCHI = FamilySpec(
     name="mochi",
-    pipeline_classes=("MochiPipeline",),
     model_classes=("MochiTransformer3DModel",),
     is_video=True,
     patch_size=mochi_patch_size,
@@ -51,4 +50,5 @@ MOCHI = FamilySpec(
     attention_modules=mochi_attention_modules,
     joint_text="suffix",
     text_mask=True,
+    cfg_strategy="batch",
 )

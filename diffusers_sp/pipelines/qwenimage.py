@@ -12,14 +12,15 @@ Sharding plan: derived from the model's Diffusers ``_cp_plan`` by dropping its t
 block, output 1 = ``txt_freqs`` of ``pos_embed``): split ``hidden_states`` at the first block
 (``[B, S, C]``, dim 1), the per-image-token ``modulate_index`` at every block (``[B, S]``, dim 1,
 QwenImage-Edit-2511's zero-cond timestep), ``vid_freqs`` (``[S, D/2]`` complex, dim 0); gather
-``proj_out``.
+``proj_out``. ControlNet residuals (``controlnet_block_samples``, one ``[B, S, C]`` per block) are
+split like the image tokens; the ControlNet runs whole on every rank.
 """
 
 from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from . import FamilySpec, plan_without
+from . import CONTROLNET_RESIDUALS, FamilySpec, plan_without
 
 _TEXT_ENTRIES = {"transformer_blocks.0": ("encoder_hidden_states",),
                  "transformer_blocks.*": ("encoder_hidden_states_mask",),
@@ -40,7 +41,9 @@ def qwenimage_patch_size(model) -> tuple[int, ...]:
 def qwenimage_sharding_plan(model) -> dict:
     """The model's ``_cp_plan`` without its text entries (see the module docstring)."""
     plan = getattr(model, "_cp_plan", None)
-    return plan_without(plan, _TEXT_ENTRIES) if plan else dict(_QWEN_PLAN)
+    plan = plan_without(plan, _TEXT_ENTRIES) if plan else dict(_QWEN_PLAN)
+    plan[""] = {**plan.get("", {}), "controlnet_block_samples": CONTROLNET_RESIDUALS}
+    return plan
 
 
 def qwenimage_attention_modules(model) -> list:
@@ -50,7 +53,6 @@ def qwenimage_attention_modules(model) -> list:
 
 QWENIMAGE = FamilySpec(
     name="qwenimage",
-    pipeline_classes=("QwenImagePipeline",),
     model_classes=("QwenImageTransformer2DModel",),
     is_video=False,
     patch_size=qwenimage_patch_size,
@@ -58,5 +60,6 @@ QWENIMAGE = FamilySpec(
     attention_modules=qwenimage_attention_modules,
     joint_text="prefix",
     text_mask=True,
-    unsupported_inputs={"controlnet_block_samples": "ControlNet residuals"},
+    cfg_strategy="two_call",
+    cfg_by_default=False,
 )

@@ -6,16 +6,18 @@ self-attention (``attn2``), which is split too (it carries no text tokens).
 
 Sharding plan (explicit; Diffusers 0.42 ships no ``_cp_plan`` for this model): split the output of
 ``pos_embed`` (patch embedding plus positional embedding, ``[B, S, C]``, dim 1); gather ``proj_out``.
-Timestep and pooled projections stay whole.
+Timestep and pooled projections stay whole. ControlNet residuals (``block_controlnet_hidden_states``,
+one ``[B, S, C]`` per block) are split like the image tokens; the ControlNet runs whole on every rank.
 """
 
 from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from . import FamilySpec
+from . import CONTROLNET_RESIDUALS, FamilySpec
 
 _SD3_PLAN = {
+    "": {"block_controlnet_hidden_states": CONTROLNET_RESIDUALS},
     "pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
     "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
 }
@@ -43,7 +45,6 @@ def sd3_sharding_plan(model) -> dict:
 
 SD3 = FamilySpec(
     name="sd3",
-    pipeline_classes=("StableDiffusion3Pipeline",),
     model_classes=("SD3Transformer2DModel",),
     is_video=False,
     patch_size=sd3_patch_size,
@@ -51,5 +52,5 @@ SD3 = FamilySpec(
     attention_modules=sd3_attention_modules,
     joint_text="suffix",
     text_mask=False,
-    unsupported_inputs={"block_controlnet_hidden_states": "ControlNet residuals"},
+    cfg_strategy="batch",
 )

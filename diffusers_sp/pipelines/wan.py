@@ -132,14 +132,13 @@ def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv
 
 WAN = FamilySpec(
     name="wan",
-    pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
     model_classes=("WanTransformer3DModel",),
     is_video=True,
     patch_size=wan_patch_size,
     sharding_plan=wan_sharding_plan,
     attention_modules=wan_attention_modules,
-    transformer_attributes=("transformer", "transformer_2"),
     modes=("ulysses", "kv_gather", "vsa"),
     latent_grid=wan_latent_grid,
     self_attention_kv_first=wan_self_attention_kv_first,
+    cfg_strategy="two_call",
 )

@@ -25,6 +25,7 @@ other ranks' keys, which no rank has: it raises :class:`SequenceParallelConfigEr
 from __future__ import annotations
 
 import inspect
+import types
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +151,31 @@ class PendingKV:
         return finish(query, **kwargs)
 
 
+class _ParallelCall:
+    """What a dispatch-mode processor's model processor gets as ``_parallel_config``: Diffusers'
+    processors pass their ``_parallel_config`` to ``dispatch_attention_fn`` for exactly the attention
+    calls that context parallelism splits (self-attention over the sequence; ``None`` for
+    cross-attention over the text), so the calls that carry this marker are the ones to run in
+    parallel. Processors never read the object; only :class:`SequenceParallelAttnProcessor` does."""
+
+    def __repr__(self):
+        return "diffusers_sp.PARALLEL_CALL"
+
+
+#: The marker of :class:`_ParallelCall`.
+PARALLEL_CALL = _ParallelCall()
+
+
+def _with_dispatch(function, dispatch):
+    """A copy of ``function`` (a processor's ``__call__``) whose global ``dispatch_attention_fn`` is
+    ``dispatch``: the model's own code, unchanged, with its attention dispatcher replaced for this
+    wrapper only (the model's module and other instances keep Diffusers' function)."""
+    copy = types.FunctionType(function.__code__, {**function.__globals__, "dispatch_attention_fn": dispatch},
+                              function.__name__, function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
 class _AttentionCallIntercept(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` calls to ``handler``; every other call passes through."""
 
@@ -272,13 +298,23 @@ class SequenceParallelAttnProcessor:
         return object.__new__(cls)
 
     def __init__(self, inner, state: SequenceState, *, kernel: str = "auto", transport: str = "nccl",
-                 head_groups: int | str = "auto", kv_first=None):
+                 head_groups: int | str = "auto", kv_first=None, dispatch: bool = False):
         self.inner = inner
         self.state = state
         self.kernel = kernel
         self.transport = transport
         self.head_groups = head_groups
         self.kv_first = kv_first if self.supports_kv_first else None
+        self._dispatch_call = None
+        if dispatch:
+            call = type(inner).__call__
+            if "dispatch_attention_fn" not in call.__globals__:
+                raise SequenceParallelConfigError(
+                    f"{type(inner).__name__} does not call Diffusers' dispatch_attention_fn, so the attention calls "
+                    f"that its model marks for context parallelism cannot be found; the model needs a family "
+                    f"module in diffusers_sp.pipelines.")
+            self._dispatch_original = call.__globals__["dispatch_attention_fn"]
+            self._dispatch_call = _with_dispatch(call, self._dispatch)
 
     def use_copy_engine(self, query: torch.Tensor) -> bool:
         """Whether this call moves its tensors by the copy engines: ``transport="copy_engine"``, CUDA
@@ -303,8 +339,25 @@ class SequenceParallelAttnProcessor:
             out = self.kv_first(self.inner, attn, args, kwargs, self._start_kv, self._finish_kv)
             if out is not NotImplemented:
                 return out
+        if self._dispatch_call is not None:
+            return self._dispatch_call(self.inner, attn, *args, **kwargs)
         with _AttentionCallIntercept(self._attend):
             return self.inner(attn, *args, **kwargs)
+
+    def _dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+        """``dispatch_attention_fn`` as the model's processor sees it in dispatch mode: calls marked
+        :data:`PARALLEL_CALL` (``[B, S, H, D]``) run through the strategy, the others go to Diffusers'
+        dispatcher unchanged (with no parallel config)."""
+        if parallel_config is not PARALLEL_CALL:
+            return self._dispatch_original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                           attention_kwargs=attention_kwargs, backend=backend, parallel_config=None)
+        if attn_mask is not None and attn_mask.ndim == 2:  # [B, Lk], as Diffusers' native backend reads it
+            attn_mask = attn_mask[:, None, None, :]
+        out = self._attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attn_mask,
+                           dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
 
     def _text_len(self, name: str, query_len: int, key_len: int, sizes: list[int]) -> int:
         """T of a call whose queries and keys have these lengths; raises if they are not this rank's shard."""

@@ -177,6 +177,7 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
             (``"auto"``: the Triton kernel on CUDA in bf16/fp16, else flex_attention on CUDA, else the
             reference implementation).
         kernel: Unused by VSA (kept for the common processor signature).
+        dispatch: See :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`.
 
     Tensors in the taken-over attention call are ``[B, H, S_r, D]``: this rank's tokens in tile order.
     """
@@ -184,8 +185,8 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
     strategy = "vsa"
 
     def __init__(self, inner, state, *, sparsity: float, sp_mode: str, gate=None, backend: str = "auto",
-                 kernel: str = "auto"):
-        super().__init__(inner, state, kernel=kernel)
+                 kernel: str = "auto", dispatch: bool = False):
+        super().__init__(inner, state, kernel=kernel, dispatch=dispatch)
         self.backend = backend
         self.sparsity = sparsity
         self.sp_mode = sp_mode

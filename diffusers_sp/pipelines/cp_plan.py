@@ -1,0 +1,78 @@
+"""Transformers without a family module that ship a Diffusers ``_cp_plan``: parallelized through it.
+
+Diffusers' context parallelism describes, per model, what to split (``_cp_plan``) and lets each
+attention processor say which of its attention calls are context-parallel: it passes its
+``_parallel_config`` to ``dispatch_attention_fn`` for those calls and ``None`` for the others
+(cross-attention over the text in Wan-like models). A family made here keeps both:
+
+* the plan, without its text entries (arguments named like text: ``encoder_*``, ``txt_*``,
+  ``text_*``), since diffusers-sp keeps the text replicated on every rank;
+* every attention module whose processor takes a ``_parallel_config``, in *dispatch mode* (see
+  :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`): the calls the model marks run
+  in parallel, the others run as they are.
+
+Such a model runs exactly when its marked calls hold only this rank's tokens of the split sequence.
+Anything else is refused at the call, on every rank alike, with a SequenceParallelConfigError that
+says what the plan lacks: text tokens inside a marked call (where they sit is not in the plan),
+tensors of different lengths split by the plan (text the plan splits under a name not recognized as
+text), or a processor that does not call ``dispatch_attention_fn``. A model with such needs gets a
+short family module instead (Flux2, LTX-2).
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import FamilySpec
+
+#: Forward arguments of a plan that carry text (kept replicated, so their plan entries are dropped).
+TEXT_ARGUMENT = re.compile(r"^(encoder_|txt_|text_|prompt_|context)|_(text|txt|context)(_|$)")
+
+
+def text_free_plan(plan: dict) -> dict:
+    """``plan`` without the entries of text arguments (:data:`TEXT_ARGUMENT`); a module whose entry
+    becomes empty is dropped. Output entries (integer keys) and gathers are kept."""
+    out = {}
+    for name, entry in plan.items():
+        if isinstance(entry, dict):
+            entry = {k: v for k, v in entry.items() if not (isinstance(k, str) and TEXT_ARGUMENT.search(k))}
+            if not entry:
+                continue
+        out[name] = entry
+    return out
+
+
+def marked_attention_modules(model) -> list:
+    """``(name, module)`` of every attention module whose processor takes a ``_parallel_config``:
+    those Diffusers' own context parallelism hands its config to."""
+    found = []
+    for name, module in model.named_modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(processor, "_parallel_config") and callable(processor):
+            found.append((name, module))
+    return found
+
+
+def config_patch_size(model) -> tuple[int, ...]:
+    """The config's ``patch_size`` as a tuple (frames first for video), ``(1, 1)`` when absent."""
+    cfg = model.config
+    patch = getattr(cfg, "patch_size", None) or 1
+    if isinstance(patch, (list, tuple)):
+        return tuple(int(p) for p in patch)
+    t = getattr(cfg, "patch_size_t", None)
+    return (int(t), int(patch), int(patch)) if t else (int(patch), int(patch))
+
+
+def cp_plan_family(cls) -> FamilySpec:
+    """The family of a transformer class that has no family module but ships a ``_cp_plan``."""
+    plan = text_free_plan(dict(cls._cp_plan))
+    return FamilySpec(
+        name=f"cp_plan:{cls.__name__}",
+        model_classes=(cls.__name__,),
+        is_video="3D" in cls.__name__ or "Video" in cls.__name__,
+        patch_size=config_patch_size,
+        sharding_plan=lambda model: dict(plan),
+        attention_modules=marked_attention_modules,
+        attention_call="dispatch",
+        note="through the model's Diffusers _cp_plan (text entries dropped)",
+    )

@@ -1,0 +1,134 @@
+"""Tiny configs of the model families: the shared tests pick every module of this package up.
+
+A family's module (named after its family in :mod:`diffusers_sp.pipelines`) defines
+
+* ``FORWARDS``: ``{case: () -> (model, kwargs)}``: a tiny transformer built from its real config class
+  with random weights, and forward arguments that make :data:`TOKENS` image/video tokens (a batch of
+  two prompts of different lengths where the family takes a text mask). Every case is compared with
+  one process in every dense mode at world sizes 2 and 3 (``tests/test_families.py``).
+* ``PIPELINES``: ``{pipeline class name: Pipe(...)}``: a tiny pipeline and the call that makes it run a
+  few steps; compared with one process the same way. Every pipeline class of the installed Diffusers
+  built on a transformer that diffusers-sp runs must be here or refused with a reason
+  (``tests/test_coverage.py``).
+
+Adding a family is its module in ``diffusers_sp/pipelines`` and one module here: no test code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Callable
+
+#: Image/video tokens of every forward case: 5 x 7, which divides neither 2 nor 3.
+TOKENS = 35
+#: A batch of two prompts of different lengths (10 and 2 words): ragged text masks where the family
+#: takes one, and CFG folded into the batch where the pipeline does so.
+PROMPTS = ["a cat runs on the grass under the blue sky", "a dog"]
+
+
+@dataclass(frozen=True)
+class Pipe:
+    """A tiny pipeline and its call.
+
+    Attributes:
+        build: ``() -> pipeline`` (tiny components, random weights).
+        call: ``() -> kwargs`` of the pipeline call (images built here); ``prompt``,
+            ``num_inference_steps``, ``output_type="latent"`` and the generator are added unless given.
+        tokens: Image/video tokens of the transformer's split sequence in this call.
+        modes: The dense modes compared with one process.
+    """
+
+    build: Callable
+    call: Callable[[], dict] = dict
+    tokens: int = TOKENS
+    modes: tuple[str, ...] = ("ulysses", "kv_gather")
+
+
+def family_modules() -> list:
+    """Every family config module of this package, by name."""
+    return [importlib.import_module(f"{__name__}.{m.name}") for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)]
+
+
+def forward_cases() -> dict[str, Callable]:
+    """``{"<family>_<case>": () -> (model, kwargs)}`` over every family module."""
+    return {f"{mod.__name__.rsplit('.', 1)[-1]}_{name}" if name else mod.__name__.rsplit('.', 1)[-1]: fn
+            for mod in family_modules() for name, fn in getattr(mod, "FORWARDS", {}).items()}
+
+
+def pipeline_cases() -> dict[str, Pipe]:
+    """``{pipeline class name: Pipe}`` over every family module."""
+    out = {}
+    for mod in family_modules():
+        for name, pipe in getattr(mod, "PIPELINES", {}).items():
+            assert name not in out, f"{name} is configured twice"
+            out[name] = pipe
+    return out
+
+
+def ragged_mask(lengths, total):
+    """``[B, total]`` int64 text mask with the first ``lengths[b]`` tokens valid."""
+    import torch
+
+    return (torch.arange(total)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+
+def gen(seed: int = 1):
+    """A CPU generator for the inputs of a case."""
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def image(width: int, height: int, seed: int = 0):
+    """A random RGB ``PIL.Image`` of ``width`` x ``height`` pixels (an input image of a pipeline)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def mask_image(width: int, height: int):
+    """A ``PIL.Image`` inpainting mask: the left half white (repaint), the right half black (keep)."""
+    import numpy as np
+    from PIL import Image
+
+    m = np.zeros((height, width), dtype=np.uint8)
+    m[:, : width // 2] = 255
+    return Image.fromarray(m).convert("RGB")
+
+
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A pipeline (or input) that diffusers-sp refuses, and how the refusal shows.
+
+    Attributes:
+        build: ``() -> pipeline``.
+        call: ``() -> kwargs`` of the call that is refused, or ``None`` when enabling itself refuses.
+        match: A piece of the SequenceParallelConfigError's message.
+    """
+
+    build: Callable
+    call: Callable[[], dict] | None = None
+    match: str = ""
+
+
+def refusal_cases() -> dict[str, Refusal]:
+    """``{pipeline class name: Refusal}`` over every family module (``REFUSALS``)."""
+    out = {}
+    for mod in family_modules():
+        out.update(getattr(mod, "REFUSALS", {}))
+    return out
+
+
+def covered_elsewhere() -> dict[str, str]:
+    """``{pipeline class name: test file}``: pipelines compared with one process by their own tests
+    (``COVERED_ELSEWHERE`` of a family module, e.g. Wan's in tests/test_wan_parallel.py)."""
+    out = {}
+    for mod in family_modules():
+        out.update(getattr(mod, "COVERED_ELSEWHERE", {}))
+    return out

@@ -1,0 +1,44 @@
+"""Every Diffusers pipeline built on a transformer diffusers-sp runs is compared with one process or
+refused with a reason, and the README's coverage table is the registry's (diffusers_sp.coverage)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import families
+from diffusers_sp import coverage
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return coverage.coverage()
+
+
+def test_every_pipeline_that_runs_is_compared_with_one_process(rows):
+    tested = set(families.pipeline_cases()) | set(families.covered_elsewhere())
+    untested = sorted(r.pipeline for r in rows if r.runs and r.pipeline not in tested)
+    assert not untested, (f"pipelines marked as running without an equality test (add them to a module of "
+                          f"tests/families/, or to diffusers_sp.coverage.REFUSED with a reason): {untested}")
+
+
+def test_every_refusal_has_a_reason_and_a_test(rows):
+    refused = {r.pipeline for r in rows if r.family is not None and not r.runs}
+    assert refused == set(coverage.REFUSED) & {r.pipeline for r in rows}
+    assert all(coverage.REFUSED[name].strip() for name in refused)
+    missing = sorted(refused - set(families.refusal_cases()))
+    assert not missing, f"refused pipelines without a refusal case in tests/families/: {missing}"
+
+
+def test_configs_name_real_pipelines(rows):
+    known = {r.pipeline for r in rows}
+    for name in list(families.pipeline_cases()) + list(families.covered_elsewhere()) + list(families.refusal_cases()):
+        assert name in known, f"tests/families/ configures {name}, which is not a pipeline on a transformer"
+
+
+def test_readme_table_is_the_registry(rows):
+    table = coverage.readme_table(README.read_text(encoding="utf-8"))
+    assert table == coverage.markdown_table(rows), "run `python -m diffusers_sp.coverage --write`"
