@@ -25,8 +25,6 @@ from .validation import SequenceParallelConfigError, validate_mode, validate_vsa
 
 logger = logging.getLogger("diffusers_sp")
 
-_OPTIONS = {"attention_kernel": "auto", "sp_transport": "auto", "overlap_head_groups": "auto",
-            "overlap_query_projection": True, **VSA_DEFAULTS}
 _HANDLE_ATTR = "_diffusers_sp_handle"
 #: Attributes of the model's processors that enabling changes and disable() restores.
 _PROCESSOR_ATTRIBUTES = ("_attention_backend", "_parallel_config")
@@ -363,9 +361,12 @@ def _resolve_transport(requested: str, mode: str, group: SPGroup, traits: Pipeli
     return "nccl"
 
 
-def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, cfg_parallel=False,
+def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, cfg_parallel: bool | str = False,
                              sp_degree: int | None = None, parallel_vae: bool = False,
-                             **options) -> SequenceParallelHandle:
+                             attention_kernel: str = "auto", sp_transport: str = "auto",
+                             overlap_head_groups: int | str = "auto", overlap_query_projection: bool = True,
+                             vsa_sparsity: float | None = None, vsa_tile_size: tuple[int, int, int] | None = None,
+                             vsa_sp_mode: str | None = None, vsa_gate_weights=None) -> SequenceParallelHandle:
     """Splits the token sequence of a pipeline's transformer(s) across the ranks of a process group.
 
     Every rank runs the same pipeline call; each transformer forward is split along its tokens
@@ -374,10 +375,12 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     callbacks see exactly what one process would compute.
 
     Args:
-        target: A supported ``DiffusionPipeline`` (all its transformers are parallelized, e.g.
-            ``transformer`` and ``transformer_2`` of Wan 2.2) or a supported transformer model.
+        target: A Diffusers pipeline (every transformer it holds is parallelized, e.g. ``transformer``
+            and ``transformer_2`` of Wan 2.2) or a transformer model; see
+            :func:`diffusers_sp.pipelines.resolve_target` and the README's coverage table.
         mode: ``"auto"`` (K/V-gather at world size <= 2 or heads not divisible by it, else Ulysses),
-            ``"ulysses"`` (all-to-all over heads) or ``"kv_gather"`` (all-gather K and V).
+            ``"ulysses"`` (all-to-all over heads), ``"kv_gather"`` (all-gather K and V) or ``"vsa"``
+            (video sparse attention, arXiv 2505.13389, on families that can read the latent grid).
         process_group: A ``torch.distributed.ProcessGroup`` to split over; ``None`` uses the whole
             run as launched by ``accelerate launch`` / ``torchrun`` (initialised through
             ``accelerate.PartialState``: NCCL on CUDA, gloo on CPU), or one process if not launched.
@@ -389,39 +392,43 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             handle reports ``replica_index`` and ``num_replicas``.
         parallel_vae: Share the VAE's decode tiles over the ranks of a replica
             (:mod:`diffusers_sp.vae`; enables the VAE's tiling).
-        **options: ``attention_kernel`` = ``"auto"`` | ``"sdpa"`` | ``"flash_attn"`` (local dense
-            kernel). ``sp_transport``: ``"auto"`` (default: the copy engines through symmetric memory
-            when the launch is one group of 2 CUDA ranks on one host, else NCCL; NCCL for
-            K/V-gather where the K/V-first path runs, see ``overlap_query_projection``), ``"nccl"`` or
-            ``"copy_engine"`` (either dense mode at any world size; an error where it cannot run,
-            and for Ulysses on models with joint text, which always use NCCL); see
-            :mod:`diffusers_sp.copy_engine`.
-            ``overlap_head_groups``: ``"auto"`` (2) or a positive int, the head groups whose
-            copy-engine transfers overlap the attention. ``overlap_query_projection``: ``True``
-            (default) or ``False``: in both dense modes on families that provide it (Wan), K and V
-            are projected first and their transfer overlaps the query projection, QK-norm and RoPE
-            (only the norm and RoPE with fused QKV projections). For ``mode="vsa"``: ``vsa_sparsity``
-            (fraction of key tiles skipped, default 0.9),
-            ``vsa_tile_size`` (default ``(4, 4, 4)`` latent patches, frames first), ``vsa_sp_mode``
-            (``"auto"``, ``"ulysses"``, ``"kv_gather"``: the communication underneath) and
-            ``vsa_gate_weights`` (path of a safetensors file or folder with
-            ``blocks.{i}.to_gate_compress.{weight,bias}``; ``None``: zero gate).
+        attention_kernel: The local dense kernel: ``"auto"``, ``"sdpa"`` or ``"flash_attn"`` (see
+            :func:`diffusers_sp.kernels.sdpa.local_attention`).
+        sp_transport: ``"auto"`` (the copy engines through symmetric memory when the launch is one group
+            of 2 CUDA ranks on one host, else the collectives; the collectives for K/V-gather where the
+            K/V-first path runs, see ``overlap_query_projection``), ``"nccl"`` (the group's collectives;
+            gloo on CPU) or ``"copy_engine"`` (either dense mode at any world size; an error where it
+            cannot run, and for Ulysses on models with joint text); see :mod:`diffusers_sp.copy_engine`.
+        overlap_head_groups: ``"auto"`` (2) or a positive int: the head groups whose copy-engine
+            transfers overlap the attention.
+        overlap_query_projection: In both dense modes on families that provide it (Wan), K and V are
+            projected first and their transfer overlaps the query projection, QK-norm and RoPE (only
+            the norm and RoPE with fused QKV projections).
+        vsa_sparsity: ``mode="vsa"`` only: fraction of key tiles skipped, in ``[0, 1)``; ``None``: 0.9.
+        vsa_tile_size: ``mode="vsa"`` only: the tile, in latent patches, frames first; ``None``:
+            ``(4, 4, 4)``.
+        vsa_sp_mode: ``mode="vsa"`` only: the communication underneath, ``"auto"`` (``None``),
+            ``"ulysses"`` or ``"kv_gather"``.
+        vsa_gate_weights: ``mode="vsa"`` only: path of a safetensors file or folder with
+            ``blocks.{i}.to_gate_compress.{weight,bias}`` (a dict ``{attribute: path}`` for a pipeline
+            with several transformers); ``None``: zero gate.
 
     Returns:
-        A :class:`SequenceParallelHandle` with ``mode``, ``sp_mode``, ``rank``, ``world_size`` and
-        ``disable()``.
+        A :class:`SequenceParallelHandle` with ``mode``, ``sp_mode``, ``transport``, ``rank``,
+        ``world_size`` and ``disable()``.
 
     Raises:
-        SequenceParallelConfigError: unsupported pipeline or model, unknown mode or option, a mode
-            the model cannot run exactly (e.g. Ulysses with fewer heads than ranks), sequence
-            parallelism already enabled on the target, or an unusable process group. Raised before
-            any collective, with the same message on every rank.
+        SequenceParallelConfigError: a target holding no transformer diffusers-sp runs, an unknown
+            mode or option value, a mode the model cannot run exactly (e.g. Ulysses with fewer heads
+            than ranks), ``vsa_*`` options with another mode, sequence parallelism already enabled on
+            the target, or an unusable process group. Raised before any collective, with the same
+            message on every rank (ranks launched with different settings all get the same error).
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise SequenceParallelConfigError(
-            f"{type(target).__name__}: unknown option(s) {unknown}; known options: {sorted(_OPTIONS)}.")
-    opts = {**_OPTIONS, **options}
+    given_vsa = {"vsa_sparsity": vsa_sparsity, "vsa_tile_size": vsa_tile_size, "vsa_sp_mode": vsa_sp_mode,
+                 "vsa_gate_weights": vsa_gate_weights}
+    opts = dict(attention_kernel=attention_kernel, sp_transport=sp_transport, overlap_head_groups=overlap_head_groups,
+                overlap_query_projection=overlap_query_projection,
+                **{k: VSA_DEFAULTS[k] if v is None else v for k, v in given_vsa.items()})
     if opts["attention_kernel"] not in KERNELS:
         raise SequenceParallelConfigError(
             f"attention_kernel={opts['attention_kernel']!r} is not one of {KERNELS}.")
@@ -454,7 +461,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         _check_no_cache(model)
         _check_processors(model, family)
     vsa = gate_error = None
-    stray = sorted(k for k in VSA_DEFAULTS if k in options and resolved != "vsa")
+    stray = sorted(k for k, v in given_vsa.items() if v is not None and resolved != "vsa")
     if stray:
         raise SequenceParallelConfigError(
             f"{traits.name}: {', '.join(stray)} apply to mode='vsa' only, but the mode is {resolved!r} "

@@ -140,10 +140,19 @@ def resolve_group(process_group=None) -> SPGroup:
         cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
         PartialState(cpu=cpu, timeout=timeout)
-        # The run was started here, so it is ended here too: at exit, before Python finalizes, unless
-        # the script called destroy_process_groups() itself (see the module docstring).
-        atexit.register(destroy_process_groups)
+    _end_at_exit()
     return SPGroup(dist.group.WORLD.group_name, dist.get_rank(), dist.get_world_size(), dist.get_backend())
+
+
+_AT_EXIT: list = []
+
+
+def _end_at_exit() -> None:
+    """Registers :func:`destroy_process_groups` to run at exit (once), before Python finalizes: a
+    run whose script ends without destroying its groups (whoever initialised them) then still ends
+    them while Python is intact (see the module docstring). A no-op when they were destroyed already."""
+    if not _AT_EXIT:
+        _AT_EXIT.append(atexit.register(destroy_process_groups))
 
 
 def destroy_process_groups(*, barrier: bool = False) -> None:
@@ -155,8 +164,8 @@ def destroy_process_groups(*, barrier: bool = False) -> None:
     order of creation, the default group last), and collects the garbage so that the groups' C++
     objects, and with them gloo's worker threads and NCCL's watchdog, end here rather than while the
     interpreter exits (see the module docstring). Enabled pipelines may stay alive: diffusers-sp
-    objects hold only group names. When diffusers-sp initialised the run itself, this also runs at
-    exit.
+    objects hold only group names. It also runs at exit in any process that enabled sequence
+    parallelism over a distributed run.
 
     Args:
         barrier: Wait for every rank first (a collective: pass ``True`` only where every rank reaches

@@ -127,7 +127,13 @@ def default_cache_dir() -> Path:
 
 
 def save_tiny_wan_pipeline(path: str | os.PathLike, kind: str = "t2v") -> Path:
-    """Builds :func:`tiny_wan_pipeline` and saves it with safetensors to ``path`` (a folder).
+    """Builds :func:`tiny_wan_pipeline` and saves it with safetensors to ``path`` (a folder); see
+    :func:`save_tiny_pipeline`."""
+    return save_tiny_pipeline(path, lambda: tiny_wan_pipeline(kind))
+
+
+def save_tiny_pipeline(path: str | os.PathLike, build) -> Path:
+    """Saves ``build()`` (a tiny pipeline) with safetensors to ``path`` (a folder) unless it is there.
 
     Writes to a temporary sibling folder and renames it, so concurrent callers never see a half-written
     pipeline. Returns ``path``.
@@ -137,7 +143,7 @@ def save_tiny_wan_pipeline(path: str | os.PathLike, kind: str = "t2v") -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tiny_wan_pipeline(kind).save_pretrained(tmp, safe_serialization=True)
+    build().save_pretrained(tmp, safe_serialization=True)
     try:
         os.replace(tmp, path)
     except OSError:  # another process won the race

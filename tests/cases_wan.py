@@ -165,8 +165,8 @@ def case_error_vsa_bad_sparsity():
     return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="vsa", vsa_sparsity=1.5))
 
 
-def case_error_unknown_option():
-    return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="auto", sparsity=0.5))
+def case_error_vsa_option_with_dense_mode():
+    return error_of(lambda: enable_sequence_parallel(tiny_wan_transformer(), mode="kv_gather", vsa_sparsity=0.5))
 
 
 def case_error_bad_overlap_query_projection():

@@ -80,3 +80,41 @@ def test_generate_video_help_printed_once(tmp_path):
     proc, _ = _launch(tmp_path, "--num_processes", "2", "--help")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("usage: generate_video.py") == 1, proc.stdout[-2000:]
+
+
+def _launch_image(tmp_path, *args, processes="2"):
+    env = dict(os.environ, DIFFUSERS_SP_CACHE=str(tmp_path / "cache"), DIFFUSERS_SP_TIMEOUT_S="120")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "examples/accelerate_cpu.yaml"),
+           "--main_process_port", str(_free_port()), "--num_processes", processes,
+           str(ROOT / "examples/generate_image.py"), "--check", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_generate_image_check_ok(tmp_path):
+    """The image job on its built-in tiny Flux at 2 ranks; --output a folder gets image.png inside."""
+    proc = _launch_image(tmp_path, "--output", str(tmp_path / "out") + "/")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("check:")]
+    assert len(lines) == 1 and lines[0].endswith(" OK"), proc.stdout[-3000:]
+    assert (tmp_path / "out" / "image.png").stat().st_size > 0
+    assert "FluxPipeline: mode=kv_gather" in proc.stdout + proc.stderr
+
+
+def test_generate_image_kontext_with_reference_image(tmp_path):
+    """A FluxKontext pipeline (saved from tiny Flux components) with an input image at 3 ranks: the
+    reference image's tokens join the image tokens (560 + 192, not divisible by 3) and the result
+    equals one process."""
+    from diffusers import FluxKontextPipeline
+
+    from diffusers_sp.tiny_models import tiny_flux_pipeline
+
+    FluxKontextPipeline(**tiny_flux_pipeline().components).save_pretrained(tmp_path / "kontext")
+    from PIL import Image
+
+    Image.new("RGB", (32, 24), (200, 30, 30)).save(tmp_path / "in.png")
+    proc = _launch_image(tmp_path, "--model", str(tmp_path / "kontext"), "--image", str(tmp_path / "in.png"),
+                         "--height", "40", "--width", "56", "--call-kwargs", '{"_auto_resize": false}',
+                         "--output", str(tmp_path / "k.png"), processes="3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [l for l in proc.stdout.splitlines() if l.startswith("check:")][0].endswith(" OK")
+    assert "FluxKontextPipeline" in proc.stdout + proc.stderr and (tmp_path / "k.png").exists()

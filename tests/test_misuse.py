@@ -105,6 +105,19 @@ def test_example_flag_values_checked_before_loading(flags, match):
         example.main(flags)
 
 
+def test_options_are_keyword_parameters():
+    """Every option is a keyword parameter of enable_sequence_parallel (help() and IDEs show them);
+    a misspelt one is Python's TypeError, raised alike on every rank before anything runs."""
+    import inspect
+
+    params = inspect.signature(enable_sequence_parallel).parameters
+    for name in ("attention_kernel", "sp_transport", "overlap_head_groups", "overlap_query_projection",
+                 "vsa_sparsity", "vsa_tile_size", "vsa_sp_mode", "vsa_gate_weights", "cfg_parallel", "sp_degree"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    with pytest.raises(TypeError, match="sparsity"):
+        enable_sequence_parallel(tiny_wan_transformer(), mode="auto", sparsity=0.5)
+
+
 @pytest.mark.parametrize("options,match", [
     (dict(sp_transport="nvlink"), "sp_transport='nvlink' is not one of"),
     (dict(overlap_head_groups=0), "overlap_head_groups must be 'auto' or a positive int, got 0"),

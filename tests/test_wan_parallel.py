@@ -64,7 +64,7 @@ def test_random_draws_agree_across_ranks(results):
     ("error_ulysses_too_few_heads", ["WanTransformer3DModel", "1 heads", "kv_gather"]),
     ("error_unknown_mode", ["'ring'", "'ulysses'", "'kv_gather'"]),
     ("error_vsa_bad_sparsity", ["vsa_sparsity", "[0, 1)", "1.5"]),
-    ("error_unknown_option", ["sparsity", "attention_kernel"]),
+    ("error_vsa_option_with_dense_mode", ["vsa_sparsity apply to mode='vsa' only", "'kv_gather'"]),
     ("error_bad_overlap_query_projection", ["overlap_query_projection", "True or False", "'yes'"]),
     ("error_already_enabled", ["already enabled", "disable_sequence_parallel"]),
     ("error_unsupported_model", ["AutoencoderKLWan", "not a transformer", "WanTransformer3DModel"]),
