@@ -10,6 +10,7 @@ per-head masks); error cases check the refusals.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -147,10 +148,19 @@ def _first_tensor(out):
     return next(torch.as_tensor(v) for v in values if torch.is_tensor(v))
 
 
+def _default_call(pipe) -> dict:
+    """The arguments every pipeline case passes unless its config gives them: the two ragged prompts,
+    2 steps, latents out; only those the pipeline's ``__call__`` takes (VisualCloze takes a
+    ``task_prompt`` and a ``content_prompt`` instead of ``prompt``)."""
+    params = inspect.signature(type(pipe).__call__).parameters
+    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
+    return {k: v for k, v in call.items() if k in params}
+
+
 def _pipeline_case(name: str) -> dict:
     spec = families.pipeline_cases()[name]
     pipe = _pipe(name)
-    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
+    call = _default_call(pipe)
     call.update(spec.call())
 
     def run():
@@ -176,7 +186,7 @@ def _refusal_case(name: str) -> str:
     if spec.call is None:
         return error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather"))
     enable_sequence_parallel(pipe, mode="kv_gather")
-    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
+    call = _default_call(pipe)
     call.update(spec.call())
     try:
         return error_of(lambda: pipe(**call, generator=torch.Generator().manual_seed(0)))
