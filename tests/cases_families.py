@@ -202,6 +202,37 @@ for _name in families.pipeline_cases():
     globals()[f"case_pipeline_{_name}"] = functools.partial(_pipeline_case, _name)
 
 
+def case_rng_drift_inner_pipelines():
+    """VisualClozePipeline makes its latents in the pipelines it holds (``generation_pipe``, then
+    ``upsampling_pipe``). With a scheduler that draws noise from the global RNG in its steps and ranks
+    whose RNGs drifted apart after enable (here on purpose), each rank denoised its tokens with its
+    own noise: up to 1.2 off one process, silently. The RNG is re-synchronised at those pipelines'
+    ``prepare_latents`` too."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    spec = families.pipeline_cases()["VisualClozePipeline"]
+    pipe = spec.build()
+    stochastic = FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)
+    for p in (pipe, pipe.generation_pipe, pipe.upsampling_pipe):
+        p.scheduler = stochastic
+        p.set_progress_bar_config(disable=True)
+    call = dict(output_type="latent", **spec.call())
+
+    def run():
+        return _first_tensor(pipe(**call, generator=torch.Generator().manual_seed(0)))
+
+    torch.manual_seed(5)
+    torch.rand(1)  # what rank 0 draws below, so that the reference starts from rank 0's state
+    ref = run()
+    handle = enable_sequence_parallel(pipe, mode="kv_gather")
+    try:
+        torch.manual_seed(5)
+        torch.rand(handle.rank + 1)
+        return compare(ref, run())
+    finally:
+        handle.disable()
+
+
 # ------------------------------------------------------------------ errors and mode choice
 
 
