@@ -15,7 +15,7 @@ from .comm import broadcast_tensor
 from .copy_engine import TRANSPORTS, copy_engine_unavailable_reason, head_group_sizes, release_workspaces
 from .groups import SPGroup, resolve_group, world_size_for
 from .kernels.sdpa import KERNELS
-from .pipelines import resolve_target
+from .pipelines import resolve_target, transformers_of
 from .processors import PROCESSORS
 from .processors.base import PARALLEL_CALL
 from .processors.vsa import VSA_DEFAULTS, TileOrderHook, VideoSparseAttnProcessor, load_gate_weights
@@ -207,6 +207,18 @@ def _patch_prepare_latents(pipe, group: SPGroup, handle: SequenceParallelHandle)
         return _broadcast_tree(original(*args, **kwargs), group)
 
     handle.patch_attribute(pipe, "prepare_latents", prepare_latents)
+
+
+def _latent_preparers(pipe, models) -> list:
+    """``pipe`` and the pipelines it holds as attributes that run one of its transformers ``models``
+    (``(attribute, model)`` pairs): VisualClozePipeline calls its ``generation_pipe`` and
+    ``upsampling_pipe``, whose own ``prepare_latents`` make the latents, not ``pipe``'s."""
+    from diffusers import DiffusionPipeline
+
+    ours = {id(model) for _, model in models}
+    inner = [value for value in vars(pipe).values() if isinstance(value, DiffusionPipeline) and value is not pipe
+             and any(id(model) in ours for _, model in transformers_of(value))]
+    return [pipe, *inner]
 
 
 # Diffusers' caches (First Block Cache, MagCache, TaylorSeer, FasterCache, PAB) decide from the
@@ -600,7 +612,8 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
         handle.parallel_vae = True
     if target is not models[0][1]:
         _sync_rng_states(replica_group)
-        _patch_prepare_latents(target, replica_group, handle)
+        for pipe in _latent_preparers(target, models):
+            _patch_prepare_latents(pipe, replica_group, handle)
     setattr(target, _HANDLE_ATTR, handle)
 
 

@@ -10,6 +10,7 @@ per-head masks); error cases check the refusals.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -147,10 +148,19 @@ def _first_tensor(out):
     return next(torch.as_tensor(v) for v in values if torch.is_tensor(v))
 
 
+def _default_call(pipe) -> dict:
+    """The arguments every pipeline case passes unless its config gives them: the two ragged prompts,
+    2 steps, latents out; only those the pipeline's ``__call__`` takes (VisualCloze takes a
+    ``task_prompt`` and a ``content_prompt`` instead of ``prompt``)."""
+    params = inspect.signature(type(pipe).__call__).parameters
+    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
+    return {k: v for k, v in call.items() if k in params}
+
+
 def _pipeline_case(name: str) -> dict:
     spec = families.pipeline_cases()[name]
     pipe = _pipe(name)
-    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
+    call = _default_call(pipe)
     call.update(spec.call())
 
     def run():
@@ -176,7 +186,7 @@ def _refusal_case(name: str) -> str:
     if spec.call is None:
         return error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather"))
     enable_sequence_parallel(pipe, mode="kv_gather")
-    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
+    call = _default_call(pipe)
     call.update(spec.call())
     try:
         return error_of(lambda: pipe(**call, generator=torch.Generator().manual_seed(0)))
@@ -190,6 +200,37 @@ for _name in families.forward_cases():
     globals()[f"case_transformer_{_name}"] = functools.partial(_forward_case, _name)
 for _name in families.pipeline_cases():
     globals()[f"case_pipeline_{_name}"] = functools.partial(_pipeline_case, _name)
+
+
+def case_rng_drift_inner_pipelines():
+    """VisualClozePipeline makes its latents in the pipelines it holds (``generation_pipe``, then
+    ``upsampling_pipe``). With a scheduler that draws noise from the global RNG in its steps and ranks
+    whose RNGs drifted apart after enable (here on purpose), each rank denoised its tokens with its
+    own noise: up to 1.2 off one process, silently. The RNG is re-synchronised at those pipelines'
+    ``prepare_latents`` too."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    spec = families.pipeline_cases()["VisualClozePipeline"]
+    pipe = spec.build()
+    stochastic = FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)
+    for p in (pipe, pipe.generation_pipe, pipe.upsampling_pipe):
+        p.scheduler = stochastic
+        p.set_progress_bar_config(disable=True)
+    call = dict(output_type="latent", **spec.call())
+
+    def run():
+        return _first_tensor(pipe(**call, generator=torch.Generator().manual_seed(0)))
+
+    torch.manual_seed(5)
+    torch.rand(1)  # what rank 0 draws below, so that the reference starts from rank 0's state
+    ref = run()
+    handle = enable_sequence_parallel(pipe, mode="kv_gather")
+    try:
+        torch.manual_seed(5)
+        torch.rand(handle.rank + 1)
+        return compare(ref, run())
+    finally:
+        handle.disable()
 
 
 # ------------------------------------------------------------------ errors and mode choice

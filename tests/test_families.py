@@ -65,6 +65,12 @@ def test_refused_pipeline_refused_alike_on_every_rank(results, pipeline):
     assert msgs[0] != "no error" and families.refusal_cases()[pipeline].match in msgs[0], msgs[0]
 
 
+def test_inner_pipelines_agree_after_rng_drift(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "rng_drift_inner_pipelines")):
+        assert_close(v, f"P={P} rank {rank} VisualClozePipeline, stochastic scheduler after RNG drift")
+
+
 def test_query_dependent_mask_raises_on_every_rank(results):
     P, res = results
     msgs = values(res, "error_query_dependent_mask")
