@@ -14,7 +14,20 @@ def _forward():
         width=7)
 
 
-FORWARDS = {"ragged_prompts": _forward}
+def _forward_per_token_timestep():
+    """One timestep per token as [B, S, 1] (LTXI2VLongMultiPromptPipeline; the first frame's tokens at 0)
+    with the RoPE coordinates passed as ``video_coords`` [1, 3, S] for the batch (5 frames of 1 x 7)."""
+    g = gen()
+    frame = torch.arange(5.0).repeat_interleave(7)
+    coords = torch.stack([frame / 25.0, torch.zeros(35), torch.arange(7.0).repeat(5) * 32])[None]
+    timestep = (frame > 0).float()[None, :, None] * torch.tensor([500.0, 250.0])[:, None, None]
+    return tm.tiny_ltx_transformer(), dict(
+        hidden_states=torch.randn(2, 35, 8, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+        encoder_attention_mask=ragged_mask([7, 4], 7), timestep=timestep, num_frames=1, height=1, width=1,
+        rope_interpolation_scale=(8, 32, 32), video_coords=coords)
+
+
+FORWARDS = {"ragged_prompts": _forward, "per_token_timestep": _forward_per_token_timestep}
 
 
 def _tiny(cls_name: str):
