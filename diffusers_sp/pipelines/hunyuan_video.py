@@ -16,7 +16,7 @@ Image-to-video. ``image_condition_type="latent_concat"`` joins the image latents
 and needs nothing more. ``"token_replace"`` (HunyuanVideo I2V) puts the image's latent frame first
 and every block modulates the first frame's tokens with their own (timestep 0) embedding: the
 model passes each block their count, ``num_tokens`` (positional), and the block slices its tokens
-at it. Those tokens lead the sequence, so on every rank they are a leading part of its shard; the
+at it (Diffusers 0.42, ``HunyuanVideoTokenReplaceTransformerBlock`` and its single-stream twin). Those tokens lead the sequence, so on every rank they are a leading part of its shard; the
 plan hands each block this rank's part of the count (:class:`~diffusers_sp.sharding.PrefixCount`),
 and the blocks' slicing then selects exactly this rank's first-frame tokens.
 """

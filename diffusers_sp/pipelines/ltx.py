@@ -9,8 +9,8 @@ Sharding plan: derived from the model's Diffusers ``_cp_plan`` by dropping its t
 replicated): split ``hidden_states`` (``[B, S, C]``, dim 1) at the model input and the RoPE tables
 ``rope`` returns (``[B, S, D]``, dim 1); gather ``proj_out``. The image-to-video and condition
 pipelines pass one timestep per token (``timestep`` ``[B, S]``: the conditioning frames' tokens
-keep timestep 0; ``LTXI2VLongMultiPromptPipeline`` passes it as ``[B, S, 1]``, which the model
-flattens alike), which is split with the tokens; a ``[B]`` timestep passes whole. The condition
+keep timestep 0; Diffusers 0.42's ``LTXI2VLongMultiPromptPipeline`` passes it as ``[B, S, 1]``,
+which the model flattens alike), which is split with the tokens; a ``[B]`` timestep passes whole. The condition
 pipelines' ``video_coords`` (``[B, 3, S]``) need no entry: ``rope`` reads them whole and its
 tables are split.
 """
