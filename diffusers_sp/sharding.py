@@ -8,6 +8,9 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
   split those forward arguments (or, with ``split_output=True``, those outputs) along ``split_dim``;
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
+Entries of a dict may also be :class:`SplitByDims`, :class:`SplitEach` (lists of tensors) or
+:class:`PrefixCount` (an int counting leading tokens).
+
 Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
 tokens and P ranks, rank r gets ``S // P + (r < S % P)`` tokens, in rank order. Tensors whose rank
 (number of dims) differs from ``expected_dims`` pass through whole, as in Diffusers.
@@ -85,6 +88,19 @@ class SplitEach:
     added to the image tokens."""
 
     spec: object
+
+
+@dataclass(frozen=True)
+class PrefixCount:
+    """A plan entry for an integer argument that counts the first tokens of the split sequence, such as
+    the ``num_tokens`` HunyuanVideo's token-replace blocks receive (the first frame's tokens, which they
+    modulate apart from the others): each rank receives how many of those tokens its own shard holds.
+
+    Shards are contiguous and in rank order, so the first ``count`` tokens of the sequence are the first
+    ``max(0, min(count - start, size))`` tokens of the shard of a rank that holds ``size`` tokens from
+    ``start`` on: a prefix of every shard (empty on ranks past them), which is what the block's
+    ``[:, :count]`` / ``[:, count:]`` slicing of its local tokens then selects. The argument must reach
+    the module after the sequence was split in the same forward (its length is known then)."""
 
 
 @dataclass
@@ -195,6 +211,8 @@ class SequenceSplitHook(ModelHook):
         return tuple(args), kwargs
 
     def _split_value(self, value, spec, what: str = "a tensor"):
+        if isinstance(spec, PrefixCount):
+            return self._prefix_count(value, what)
         if isinstance(spec, SplitEach):
             if not isinstance(value, (list, tuple)):
                 return value
@@ -207,6 +225,23 @@ class SequenceSplitHook(ModelHook):
                 return value
             return type(value)(self._split(v, s, what) for v, s in zip(value, spec))
         return self._split(value, spec, what)
+
+    def _prefix_count(self, count, what: str):
+        """This rank's part of ``count`` leading tokens (see :class:`PrefixCount`); non-ints pass as they are."""
+        if not isinstance(count, int) or isinstance(count, bool):
+            return count
+        state = self.state
+        if state.seq_len is None or state.order is not None:
+            # Before any split there is no shard to count in; with the tokens reordered (VSA tiles) the
+            # leading tokens are no longer a prefix of each shard. Either way every rank raises alike.
+            why = ("before any sequence tensor was split in this forward" if state.seq_len is None
+                   else "with the tokens reordered for the mode's tiles, where they are not a prefix of each shard")
+            raise SequenceParallelConfigError(
+                f"{what} counts leading tokens of the sequence, which cannot be split {why}; use a dense mode "
+                f"('ulysses' or 'kv_gather') and a sharding plan that splits the tokens before this module.")
+        sizes = state.shard_sizes()
+        rank = state.group.rank
+        return max(0, min(count - sum(sizes[:rank]), sizes[rank]))
 
     def post_forward(self, module, output):
         out_specs = {k: v for k, v in self.entries.items() if isinstance(k, int)}

@@ -260,11 +260,6 @@ def case_error_query_dependent_mask():
     return out
 
 
-def case_error_hunyuan_token_replace():
-    model = tm.tiny_hunyuan_video_transformer(image_condition_type="token_replace", in_channels=4)
-    return error_of(lambda: enable_sequence_parallel(model, mode="kv_gather"))
-
-
 def case_error_ulysses_fewer_heads_than_ranks():
     """CogVideoX with 1 head: Ulysses raises recommending kv_gather; auto picks kv_gather, which runs exactly."""
     g = _gen()

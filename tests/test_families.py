@@ -81,13 +81,6 @@ def test_query_dependent_mask_raises_on_every_rank(results):
         assert "depends on the query position" in msg and "key padding" in msg, msg
 
 
-def test_token_replace_rejected(results):
-    P, res = results
-    msgs = values(res, "error_hunyuan_token_replace")
-    assert len(set(msgs)) == 1
-    assert "token_replace" in msgs[0] and "HunyuanVideoPipeline" in msgs[0]
-
-
 def test_fewer_heads_than_ranks(results):
     P, res = results
     for v in values(res, "error_ulysses_fewer_heads_than_ranks"):

@@ -12,15 +12,20 @@ Sharding plan (explicit; Diffusers 0.42 ships no ``_cp_plan`` for this model): s
 output of ``x_embedder`` (``[B, S, C]``, dim 1) and the RoPE tables ``rope`` returns
 (``[S, D]`` cos and sin, dim 0); gather ``proj_out``.
 
-Models with ``image_condition_type="token_replace"`` (HunyuanVideo I2V) address the first frame's
-tokens by position inside every block and are rejected.
+Image-to-video. ``image_condition_type="latent_concat"`` joins the image latents along channels
+and needs nothing more. ``"token_replace"`` (HunyuanVideo I2V) puts the image's latent frame first
+and every block modulates the first frame's tokens with their own (timestep 0) embedding: the
+model passes each block their count, ``num_tokens`` (positional), and the block slices its tokens
+at it (Diffusers 0.42, ``HunyuanVideoTokenReplaceTransformerBlock`` and its single-stream twin). Those tokens lead the sequence, so on every rank they are a leading part of its shard; the
+plan hands each block this rank's part of the count (:class:`~diffusers_sp.sharding.PrefixCount`),
+and the blocks' slicing then selects exactly this rank's first-frame tokens.
 """
 
 from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..validation import SequenceParallelConfigError
+from ..sharding import PrefixCount
 from . import FamilySpec
 
 _HUNYUAN_PLAN = {
@@ -29,27 +34,23 @@ _HUNYUAN_PLAN = {
              1: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)},
     "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
 }
+# image_condition_type="token_replace": the first frame's token count each block receives.
+_TOKEN_REPLACE = {"transformer_blocks.*": {"num_tokens": PrefixCount()},
+                  "single_transformer_blocks.*": {"num_tokens": PrefixCount()}}
 
 
 def hunyuan_video_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``HunyuanVideoTransformer3DModel`` from its config, frames first.
-
-    Raises:
-        SequenceParallelConfigError: ``image_condition_type="token_replace"`` (first-frame tokens
-            are addressed by position in every block, which a sequence shard breaks).
-    """
+    """Patch size of a ``HunyuanVideoTransformer3DModel`` from its config, frames first."""
     cfg = model.config
-    if getattr(cfg, "image_condition_type", None) == "token_replace":
-        raise SequenceParallelConfigError(
-            f"{type(model).__name__} with image_condition_type='token_replace' (HunyuanVideo image-to-video) "
-            f"is not supported: its blocks address the first frame's tokens by position. Supported: "
-            f"HunyuanVideoPipeline (text-to-video) in modes 'ulysses' and 'kv_gather'.")
     return (int(cfg.patch_size_t), int(cfg.patch_size), int(cfg.patch_size))
 
 
 def hunyuan_video_sharding_plan(model) -> dict:
-    """The explicit plan of the module docstring."""
-    return dict(_HUNYUAN_PLAN)
+    """The explicit plan of the module docstring (with the token-replace entries for such a model)."""
+    plan = dict(_HUNYUAN_PLAN)
+    if getattr(model.config, "image_condition_type", None) == "token_replace":
+        plan.update(_TOKEN_REPLACE)
+    return plan
 
 
 def hunyuan_video_attention_modules(model) -> list:

@@ -9,17 +9,23 @@ Sharding plan: derived from the model's Diffusers ``_cp_plan`` by dropping its t
 replicated): split ``hidden_states`` (``[B, S, C]``, dim 1) at the model input and the RoPE tables
 ``rope`` returns (``[B, S, D]``, dim 1); gather ``proj_out``. The image-to-video and condition
 pipelines pass one timestep per token (``timestep`` ``[B, S]``: the conditioning frames' tokens
-keep timestep 0), which is split with the tokens; a ``[B]`` timestep passes whole.
+keep timestep 0; Diffusers 0.42's ``LTXI2VLongMultiPromptPipeline`` passes it as ``[B, S, 1]``,
+which the model flattens alike), which is split with the tokens; a ``[B]`` timestep passes whole. The condition
+pipelines' ``video_coords`` (``[B, 3, S]``) need no entry: ``rope`` reads them whole and its
+tables are split.
 """
 
 from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
+from ..sharding import SplitByDims
 from . import FamilySpec, plan_without
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "encoder_attention_mask")}
-_TIMESTEP = {"timestep": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)}
+# [B, S] or [B, S, 1] per token (the model flattens either to B x S timesteps); [B] has neither layout.
+_TIMESTEP = {"timestep": SplitByDims((ContextParallelInput(split_dim=1, expected_dims=2, split_output=False),
+                                      ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)))}
 _LTX_PLAN = {
     "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
     "rope": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True),
