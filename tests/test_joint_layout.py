@@ -111,3 +111,25 @@ def test_registry_modes_and_layouts():
         # VSA needs the latent grid and no text inside self-attention.
         assert ("vsa" in fam.modes) == (fam.latent_grid is not None and fam.joint_text is None and fam.is_video)
         assert fam.joint_text in (None, "prefix", "suffix")
+
+
+def test_prefix_count_gives_each_rank_its_part_or_refuses():
+    """PrefixCount (HunyuanVideo token_replace's ``num_tokens``): each rank gets the leading tokens its
+    shard holds; before any split, or with the tokens reordered (VSA tiles), it refuses alike."""
+    from diffusers_sp.groups import SPGroup
+    from diffusers_sp.sharding import PrefixCount, SequenceSplitHook, SequenceState, TokenOrder
+
+    parts = []
+    for rank in range(3):
+        state = SequenceState(SPGroup(None, rank, 3, "gloo"), seq_len=11)  # shards 4, 4, 3
+        parts.append(SequenceSplitHook({"num_tokens": PrefixCount()}, state)._split_value(6, PrefixCount(), "n"))
+    assert parts == [4, 2, 0]
+    state = SequenceState(SPGroup(None, 0, 3, "gloo"))
+    hook = SequenceSplitHook({}, state)
+    with pytest.raises(SequenceParallelConfigError, match="before any sequence tensor was split"):
+        hook._split_value(6, PrefixCount(), "n")
+    state.seq_len = 11
+    state.order = TokenOrder(torch.arange(11), torch.arange(11), (4, 4, 3))
+    with pytest.raises(SequenceParallelConfigError, match="reordered"):
+        hook._split_value(6, PrefixCount(), "n")
+    assert hook._split_value(None, PrefixCount(), "n") is None
