@@ -117,6 +117,37 @@ def case_functional_no_text():
     return _functional(0, None, None, heads=4)
 
 
+def case_functional_split_kv():
+    """Whole queries over keys and values split along the sequence (LTX-2's video-to-audio attention) through
+    SplitKVAttnProcessor: no mask, a boolean key padding mask, an additive mask that varies with the query
+    (exact here: every rank holds every query row), a per-head one; and a call whose keys are not this rank's
+    shard, refused alike on every rank."""
+    from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoAttnProcessor
+
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors import SplitKVAttnProcessor
+    from diffusers_sp.sharding import SequenceState, shard
+
+    group = resolve_group()
+    g = _gen(9)
+    B, H, Lq, S, D = 2, 3, 9, 35, 8
+    q = torch.randn(B, H, Lq, D, generator=g)
+    k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(2))
+    keep = torch.rand(B, 1, 1, S, generator=g) > 0.3
+    masks = {"none": None, "bool_key_padding": keep,
+             "float_per_query": torch.randn(B, 1, Lq, S, generator=g),
+             "bool_per_head": torch.rand(B, H, 1, S, generator=g) > 0.3}
+    processor = SplitKVAttnProcessor(LTX2AudioVideoAttnProcessor(), SequenceState(group, seq_len=S))
+    lk, lv = (shard(t, 2, group.rank, group.world_size) for t in (k, v))
+    out = {}
+    for name, mask in masks.items():
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        local_mask = None if mask is None else shard(mask, 3, group.rank, group.world_size)
+        out[name] = compare(ref, processor._attend(q, lk, lv, attn_mask=local_mask))
+    out["wrong_length"] = error_of(lambda: processor._attend(q, k, v))
+    return out
+
+
 # ------------------------------------------------------------------ every family's forwards and pipelines
 # (the tiny configs of tests/families/; one case per forward and per pipeline, defined below)
 
