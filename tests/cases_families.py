@@ -31,21 +31,28 @@ def _ragged_mask(lengths, total):
     return (torch.arange(total)[None, :] < torch.tensor(lengths)[:, None]).long()
 
 
+def _model_output(out) -> torch.Tensor:
+    """A transformer's output to compare: ``sample``, followed by ``audio_sample`` where the model returns
+    one (LTX-2's audio stream, computed whole on every rank), flattened and joined."""
+    audio = getattr(out, "audio_sample", None)
+    return out.sample if audio is None else torch.cat([out.sample.flatten(), audio.flatten()])
+
+
 def _forward_all_modes(model, kwargs, modes=MODES) -> dict:
     with torch.no_grad():
-        ref = model(**kwargs).sample
+        ref = _model_output(model(**kwargs))
         results = {}
         for mode in modes:
             handle = enable_sequence_parallel(model, mode=mode)
             try:
-                results[mode] = compare(ref, model(**kwargs).sample)
+                results[mode] = compare(ref, _model_output(model(**kwargs)))
                 results[mode]["resolved"] = handle.mode
                 # Proof that the forward really ran split: the image length the hooks saw, the wrapped modules.
                 results[mode]["seq_len"] = handle._models[0].state.seq_len
                 results[mode]["wrapped"] = len(handle._models[0].processors)
             finally:
                 handle.disable()
-        results["restored_bitwise"] = torch.equal(model(**kwargs).sample, ref)
+        results["restored_bitwise"] = torch.equal(_model_output(model(**kwargs)), ref)
     return results
 
 
@@ -178,14 +185,34 @@ def _first_tensor(out):
     return next(torch.as_tensor(v) for v in values if torch.is_tensor(v))
 
 
+def _output_tensors(out) -> torch.Tensor:
+    """A pipeline output to compare: its latents (:func:`_first_tensor`), followed by every other tensor it
+    holds (LTX-2's audio latents, computed whole on every rank; DFR's keyframe latents), flattened and joined."""
+    first = _first_tensor(out)
+    rest = [v for v in (out.values() if isinstance(out, dict) else ()) if torch.is_tensor(v) and v is not first]
+    return torch.cat([first.flatten()] + [v.flatten() for v in rest]) if rest else first
+
+
+def _call_kwargs(pipe, spec) -> dict:
+    """The kwargs of a case's pipeline call: ``prompt``, ``num_inference_steps=2`` and ``output_type="latent"``
+    where the pipeline's ``__call__`` takes them (LTX-2's DFR pipelines take ``sigmas`` instead of a step
+    count), then the case's own."""
+    import inspect
+
+    takes = inspect.signature(type(pipe).__call__).parameters
+    call = {k: v for k, v in dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent").items()
+            if k in takes}
+    call.update(spec.call())
+    return call
+
+
 def _pipeline_case(name: str) -> dict:
     spec = families.pipeline_cases()[name]
     pipe = _pipe(name)
-    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
-    call.update(spec.call())
+    call = _call_kwargs(pipe, spec)
 
     def run():
-        return _first_tensor(pipe(**call, generator=torch.Generator().manual_seed(0)))
+        return _output_tensors(pipe(**call, generator=torch.Generator().manual_seed(0)))
 
     ref = run()
     results = {}
@@ -207,8 +234,7 @@ def _refusal_case(name: str) -> str:
     if spec.call is None:
         return error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather"))
     enable_sequence_parallel(pipe, mode="kv_gather")
-    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
-    call.update(spec.call())
+    call = _call_kwargs(pipe, spec)
     try:
         return error_of(lambda: pipe(**call, generator=torch.Generator().manual_seed(0)))
     finally:
