@@ -322,9 +322,9 @@ class SplitKVAttnProcessor(SequenceParallelAttnProcessor):
         sizes = self.state.shard_sizes()
         local = sizes[self.state.group.rank]
         if key.shape[2] != local or value.shape[2] != local:
-            raise SequenceParallelConfigError(
-                f"{name}: expected keys and values of this rank's shard of {local} tokens (sequence "
-                f"{self.state.seq_len} over {len(sizes)} ranks), got keys of {key.shape[2]} and values of "
+            raise SequenceParallelConfigError(  # the rank's own shard size left out: the same text on every rank
+                f"{name}: expected keys and values of this rank's shard of the split sequence ({self.state.seq_len} "
+                f"tokens in shards of {sizes} over {len(sizes)} ranks), got keys of {key.shape[2]} and values of "
                 f"{value.shape[2]} tokens. The sharding plan does not match the model's forward.")
         mask = key_split_mask(attn_mask, query.shape[0], query.shape[1], query.shape[2], local, name)
         self.state.group.check_device(query.device)
