@@ -174,26 +174,29 @@ def _previous_dfr_pass():
 
 #: 32 x 224 pixels are 1 x 7 latent tokens a frame; 17 frames are 5 latent frames, 13 frames 4.
 _GRID = dict(height=32, width=224, frame_rate=24.0, max_sequence_length=8)
+#: Guidance by CFG (folded into the batch) only: the STG and modality-isolation passes run in LTX2Pipeline's
+#: case; the audio scales fall back to the video ones when 0 (``audio_stg_scale or stg_scale``).
+_CFG_ONLY = dict(stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0)
 
 PIPELINES = {
     # CFG folded into the batch, STG (on a block the tiny model lacks) and modality-isolation passes.
     "LTX2Pipeline": Pipe(_pipeline("LTX2Pipeline"), lambda: dict(num_frames=17, **_GRID)),
     # The first frame's 7 tokens at timestep 0 (per-token timesteps, split with the tokens).
     "LTX2ImageToVideoPipeline": Pipe(_pipeline("LTX2ImageToVideoPipeline"), lambda: dict(
-        image=image(224, 32), image_crf=0, num_frames=17, stg_scale=0.0, modality_scale=1.0, **_GRID)),
+        image=image(224, 32), image_crf=0, num_frames=17, **_CFG_ONLY, **_GRID)),
     # 4 latent frames (the first one conditioned) and a keyframe at latent frame 2 appended: 35 tokens.
     "LTX2ConditionPipeline": Pipe(_pipeline("LTX2ConditionPipeline"), lambda: dict(
-        conditions=_conditions((0, 1.0, 0), (2, 0.5, 1)), num_frames=13, stg_scale=0.0, modality_scale=1.0,
-        **_GRID)),
+        conditions=_conditions((0, 1.0, 0), (2, 0.5, 1)), num_frames=13, **_CFG_ONLY, **_GRID)),
     # 4 latent frames and a 1-frame reference video appended (timestep 0): 35 tokens.
     "LTX2InContextPipeline": Pipe(_pipeline("LTX2InContextPipeline"), lambda: dict(
-        reference_conditions=_reference("LTX2ReferenceCondition"), num_frames=13, stg_scale=0.0,
-        modality_scale=1.0, **_GRID)),
+        reference_conditions=_reference("LTX2ReferenceCondition"), num_frames=13, **_CFG_ONLY, **_GRID)),
+    # Video only, no CFG by default; a 1-frame reference appended: 35 tokens.
     "LTX2HDRPipeline": Pipe(_pipeline("LTX2HDRPipeline"), lambda: dict(
         reference_conditions=_reference("LTX2HDRReferenceCondition"), num_frames=13, **_GRID)),
     # 4 latent frames and one generated keyframe slot (video_keyframes_mask): 35 tokens; 2 distilled steps.
     "LTX2DFRPipeline": Pipe(_pipeline("LTX2DFRPipeline", use_keyframes_abs_pos_embedding=True),
                             lambda: dict(num_frames=13, sigmas=[1.0, 0.5], **_GRID)),
+    # One refine round over a previous pass (x2 in time, ancestral steps seeded per tile): one tile of 35 tokens.
     "LTX2DFRTemporalRefinePipeline": Pipe(_dfr_temporal_refine, lambda: dict(
         num_frames=5, sigmas=[0.975, 0.5], **_previous_dfr_pass(), **_GRID)),
 }
@@ -202,5 +205,5 @@ REFUSALS = {
     # A reference at attention strength below 1 makes a [B, S, S] video self-attention mask: refused at the call.
     "LTX2InContextPipeline": Refusal(_pipeline("LTX2InContextPipeline"), lambda: dict(
         reference_conditions=_reference("LTX2ReferenceCondition"), conditioning_attention_strength=0.5,
-        num_frames=13, stg_scale=0.0, modality_scale=1.0, **_GRID), match="video_self_attention_mask"),
+        num_frames=13, **_CFG_ONLY, **_GRID), match="video_self_attention_mask"),
 }
