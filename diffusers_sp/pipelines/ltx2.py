@@ -18,8 +18,9 @@ module                    queries              keys / values        call
 
 The video-to-audio call has whole queries over split keys: its video K/V are all-gathered whatever
 the mode (:class:`~diffusers_sp.processors.kv_gather.SplitKVAttnProcessor`), and each rank computes
-every audio row. The processors mark exactly ``attn1`` and ``video_to_audio_attn`` (dispatch mode,
-see :mod:`diffusers_sp.pipelines.cp_plan`); the other four keep Diffusers' own processors.
+every audio row. Only ``attn1`` and ``video_to_audio_attn`` are wrapped (dispatch mode: the attention
+calls of their processors are marked as in :mod:`diffusers_sp.pipelines.cp_plan`); the other four
+keep Diffusers' own processors, unmarked.
 
 Sharding plan, derived from the model's Diffusers ``_cp_plan``:
 
