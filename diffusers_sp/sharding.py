@@ -73,10 +73,11 @@ class TokenOrder:
 
 @dataclass(frozen=True)
 class SplitByDims:
-    """A plan entry for an argument a model accepts in several layouts: ``options`` are
+    """A plan entry for an argument (or output) a model has in several layouts: ``options`` are
     ``ContextParallelInput`` specs with different ``expected_dims``; the one matching the tensor's
     number of dims splits it (none: it passes whole). E.g. Flux's ``img_ids``, ``[S, 3]`` or the
-    deprecated ``[B, S, 3]``."""
+    deprecated ``[B, S, 3]``; LTX-2's RoPE tables, ``[B, S, D]`` (interleaved) or ``[B, H, S, D / 2]``
+    (split)."""
 
     options: tuple
 
@@ -250,7 +251,7 @@ class SequenceSplitHook(ModelHook):
         single = torch.is_tensor(output)
         items = [output] if single else list(output)
         for index, spec in out_specs.items():
-            items[index] = self._split(items[index], spec, f"output {index} of {type(module).__name__}")
+            items[index] = self._split_value(items[index], spec, f"output {index} of {type(module).__name__}")
         return items[0] if single else type(output)(items)
 
 

@@ -35,6 +35,16 @@ def test_joint_attention_strategies_exact(results, case):
             assert_close(v[f"{mode} start/finish"], f"P={P} rank {rank} {case} {mode} start/finish")
 
 
+def test_whole_queries_over_split_keys_exact(results):
+    P, res = results
+    per_rank = values(res, "functional_split_kv")
+    assert len({v["wrong_length"] for v in per_rank}) == 1
+    for rank, v in enumerate(per_rank):
+        for mask in ("none", "bool_key_padding", "float_per_query", "bool_per_head"):
+            assert_close(v[mask], f"P={P} rank {rank} split K/V {mask}")
+        assert "this rank's shard" in v["wrong_length"], v["wrong_length"]
+
+
 @pytest.mark.parametrize("case", FORWARDS)
 def test_transformer_forward_equals_one_process(results, case):
     P, res = results

@@ -111,14 +111,17 @@ def gather_key_padding_mask(mask: torch.Tensor | None, text_len: int, text_layou
 
     Args:
         mask: ``None`` or ``[B or 1, H or 1, 1, text_len + sizes[rank]]``: replicated text part and
-            this rank's image part, in the family's order (see :func:`split_text_image`).
+            this rank's image part, in the family's order (see :func:`split_text_image`). Dim 2 may
+            also hold every query row (whole queries over split keys,
+            :class:`~diffusers_sp.processors.kv_gather.SplitKVAttnProcessor`): only dim 3 is gathered.
         text_len, text_layout: The joint layout.
         sizes: Image tokens per rank.
         group: The sequence-parallel group.
 
     Returns:
-        ``None`` or ``[B or 1, H or 1, 1, text_len + sum(sizes)]`` with the image part of every rank in
-        rank order (one small all-gather; booleans travel as uint8), same dtype as ``mask``.
+        ``None`` or ``[B or 1, H or 1, 1, text_len + sum(sizes)]`` (dim 2 as given) with the image
+        part of every rank in rank order (one small all-gather; booleans travel as uint8), same dtype
+        as ``mask``.
     """
     if mask is None or group.world_size == 1:
         return mask
@@ -394,9 +397,9 @@ class SequenceParallelAttnProcessor:
                 f"keys {shape} {dtype}.")
         return self.finish_attention(pending, query, scale=scale)
 
-    def _attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False):
-        name = type(self.inner).__name__
+    def _check_call(self, name: str, query, key, dropout_p, is_causal, enable_gqa) -> None:
+        """Raises SequenceParallelConfigError for what no strategy splits: causal attention, dropout,
+        grouped-query attention."""
         if is_causal:
             raise SequenceParallelConfigError(
                 f"{name}: causal attention depends on the query position and is not supported under "
@@ -406,6 +409,11 @@ class SequenceParallelAttnProcessor:
         if enable_gqa or key.shape[1] != query.shape[1]:
             raise SequenceParallelConfigError(
                 f"{name}: grouped-query attention (fewer K/V heads than query heads) is not supported.")
+
+    def _attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        name = type(self.inner).__name__
+        self._check_call(name, query, key, dropout_p, is_causal, enable_gqa)
         sizes = self.state.shard_sizes()
         layout = self.state.extra.get("joint_text")
         length = query.shape[2]

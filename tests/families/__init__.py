@@ -36,7 +36,7 @@ class Pipe:
         build: ``() -> pipeline`` (tiny components, random weights).
         call: ``() -> kwargs`` of the pipeline call (images built here); ``prompt``,
             ``num_inference_steps``, ``output_type="latent"`` and the generator are added unless given
-            (``prompt`` and the others only where the pipeline's ``__call__`` takes them).
+            (each where the pipeline's ``__call__`` takes it).
         tokens: Image/video tokens of the transformer's split sequence in this call.
         modes: The dense modes compared with one process.
     """
