@@ -115,6 +115,12 @@ class SequenceState:
             split hooks; ``None`` before the forward's first split (reset by
             :class:`SequenceForwardHook` when the model's forward begins).
         seq_source: What set :attr:`seq_len`, ``(description, shape, dim)``; formatted only for an error.
+        inputs_split: Whether a forward argument of a submodule (not an output, such as a RoPE table) was
+            split in the current forward (reset with :attr:`seq_len`). Until then the tokens flowing
+            through the model are whole on every rank: a marked attention call of dispatch mode made
+            before it (MiniMax-H3's text refiner, before its plan splits the packed sequence at the first
+            block) runs as one process runs it (see
+            :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`).
         extra: Family-specific per-forward values (for example the text length of joint attention).
         order: ``None`` (shards of the sequence as it is) or a :class:`TokenOrder` for the current
             forward, set by a hook of the mode that needs it (VSA).
@@ -127,6 +133,7 @@ class SequenceState:
     owner: str = ""
     seq_len: int | None = None
     seq_source: tuple = ()
+    inputs_split: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     order: TokenOrder | None = None
     check: Callable[[], None] | None = None
@@ -205,10 +212,16 @@ class SequenceSplitHook(ModelHook):
                 continue
             what = f"argument {name!r} of {type(module).__name__}"
             if name in kwargs:
-                kwargs[name] = self._split_value(kwargs[name], spec, what)
+                old = kwargs[name]
+                new = kwargs[name] = self._split_value(old, spec, what)
             elif name in self._params and self._params.index(name) < len(args):
                 i = self._params.index(name)
-                args[i] = self._split_value(args[i], spec, what)
+                old = args[i]
+                new = args[i] = self._split_value(old, spec, what)
+            else:
+                continue
+            if new is not old:
+                self.state.inputs_split = True
         return tuple(args), kwargs
 
     def _split_value(self, value, spec, what: str = "a tensor"):
@@ -275,7 +288,7 @@ class SequenceForwardHook(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         if self.state.check is not None:
             self.state.check()
-        self.state.seq_len, self.state.seq_source = None, ()
+        self.state.seq_len, self.state.seq_source, self.state.inputs_split = None, (), False
         for name, why in self.refuse.items():
             i = self._params.index(name) if name in self._params else len(args)
             value = kwargs.get(name, args[i] if i < len(args) else None)

@@ -351,8 +351,14 @@ class SequenceParallelAttnProcessor:
                   enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
         """``dispatch_attention_fn`` as the model's processor sees it in dispatch mode: calls marked
         :data:`PARALLEL_CALL` (``[B, S, H, D]``) run through the strategy, the others go to Diffusers'
-        dispatcher unchanged (with no parallel config)."""
-        if parallel_config is not PARALLEL_CALL:
+        dispatcher unchanged (with no parallel config).
+
+        A marked call made before the plan split any forward argument in this forward
+        (``SequenceState.inputs_split``) also runs unchanged: its tokens are whole on every rank, so the
+        call is the one a single process makes. Diffusers hands its context-parallel config to every
+        attention processor of the model, whether or not its tokens are split, e.g. to the text refiner
+        that MiniMax-H3 runs before its plan splits the packed sequence at the first block."""
+        if parallel_config is not PARALLEL_CALL or not self.state.inputs_split:
             return self._dispatch_original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                            attention_kwargs=attention_kwargs, backend=backend, parallel_config=None)
@@ -366,6 +372,16 @@ class SequenceParallelAttnProcessor:
         """T of a call whose queries and keys have these lengths; raises if they are not this rank's shard."""
         layout = self.state.extra.get("joint_text")
         text_len = query_len - sizes[self.state.group.rank]
+        if key_len == query_len and text_len > 0 and layout is None:
+            # T is the same on every rank (S_r is not), so the message is: every rank raises it alike.
+            owner = f"{self.state.owner}: " if self.state.owner else ""
+            raise SequenceParallelConfigError(
+                f"{owner}{name}: an attention call over the split sequence ({self.state.seq_len} tokens over "
+                f"{len(sizes)} ranks) also holds {text_len} other tokens (text joined to the split tokens inside "
+                f"the call, for instance), and the sharding plan does not say where they sit: for a model "
+                f"without a family module, that is what its Diffusers _cp_plan lacks. Sequence parallelism "
+                f"cannot run this call exactly; run the model without it (the model needs a family module "
+                f"in diffusers_sp.pipelines).")
         if key_len != query_len or text_len < 0 or (text_len > 0 and layout is None):
             expected = (f"{sizes[self.state.group.rank]} image tokens" if layout is None
                         else f"{sizes[self.state.group.rank]} image tokens plus the text tokens ({layout})")

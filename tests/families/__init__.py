@@ -75,6 +75,18 @@ def ragged_mask(lengths, total):
     return (torch.arange(total)[None, :] < torch.tensor(lengths)[:, None]).long()
 
 
+def randomize_norms(model):
+    """``model`` with its RMSNorm/LayerNorm weights drawn around one: they start at ones, which makes e.g.
+    norm_q and norm_k the same function; trained checkpoints differ, and so must the tests' models."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.normal_(1.0, 0.5)
+    return model
+
+
 def gen(seed: int = 1):
     """A CPU generator for the inputs of a case."""
     import torch
