@@ -9,7 +9,7 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
 Entries of a dict may also be :class:`SplitByDims`, :class:`SplitEach` (lists of tensors) or
-:class:`PrefixCount` (an int counting leading tokens).
+:class:`PrefixCount` / :class:`TailCount` (an int counting leading / last tokens).
 
 Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
 tokens and P ranks, rank r gets ``S // P + (r < S % P)`` tokens, in rank order. Tensors whose rank
@@ -102,6 +102,18 @@ class PrefixCount:
     ``start`` on: a prefix of every shard (empty on ranks past them), which is what the block's
     ``[:, :count]`` / ``[:, count:]`` slicing of its local tokens then selects. The argument must reach
     the module after the sequence was split in the same forward (its length is known then)."""
+
+
+@dataclass(frozen=True)
+class TailCount:
+    """A plan entry for an integer argument that counts the last tokens of the split sequence: each rank
+    receives how many of those tokens its own shard holds (:class:`PrefixCount` from the other end).
+
+    E.g. Helios' ``original_context_length``: its blocks see ``[history; chunk]`` and cut the chunk being
+    denoised off the history with it (``length - count``; the history skips the cross-attention, and its
+    keys may be scaled). Shards are contiguous and in rank order, so each shard is ``[its history tokens;
+    its chunk tokens]``, either part possibly empty, and the cut falls where the block makes it. The
+    argument must reach the module after the sequence was split in the same forward."""
 
 
 @dataclass
@@ -220,13 +232,15 @@ class SequenceSplitHook(ModelHook):
                 new = args[i] = self._split_value(old, spec, what)
             else:
                 continue
-            if new is not old:
+            if new is not old and not isinstance(spec, (PrefixCount, TailCount)):
                 self.state.inputs_split = True
         return tuple(args), kwargs
 
     def _split_value(self, value, spec, what: str = "a tensor"):
         if isinstance(spec, PrefixCount):
             return self._prefix_count(value, what)
+        if isinstance(spec, TailCount):
+            return self._tail_count(value, what)
         if isinstance(spec, SplitEach):
             if not isinstance(value, (list, tuple)):
                 return value
@@ -256,6 +270,25 @@ class SequenceSplitHook(ModelHook):
         sizes = state.shard_sizes()
         rank = state.group.rank
         return max(0, min(count - sum(sizes[:rank]), sizes[rank]))
+
+    def _tail_count(self, count, what: str):
+        """This rank's part of the last ``count`` tokens (see :class:`TailCount`): its shard less its part of
+        the tokens before them; non-ints pass as they are."""
+        if not isinstance(count, int) or isinstance(count, bool):
+            return count
+        state = self.state
+        if state.seq_len is None or state.order is not None:
+            why = ("before any sequence tensor was split in this forward" if state.seq_len is None
+                   else "with the tokens reordered for the mode's tiles, where they are not a suffix of each shard")
+            raise SequenceParallelConfigError(
+                f"{what} counts the last tokens of the sequence, which cannot be split {why}; use a dense mode "
+                f"('ulysses' or 'kv_gather') and a sharding plan that splits the tokens before this module.")
+        if not 0 <= count <= state.seq_len:
+            source, shape, dim = state.seq_source
+            raise SequenceParallelConfigError(
+                f"inputs disagree on the sequence length: {what} is {count}, a count of the last tokens of the "
+                f"{state.seq_len} of {source} of shape {list(shape)} (dim {dim}).")
+        return state.shard_sizes()[state.group.rank] - self._prefix_count(state.seq_len - count, what)
 
     def post_forward(self, module, output):
         out_specs = {k: v for k, v in self.entries.items() if isinstance(k, int)}

@@ -133,3 +133,36 @@ def test_prefix_count_gives_each_rank_its_part_or_refuses():
     with pytest.raises(SequenceParallelConfigError, match="reordered"):
         hook._split_value(6, PrefixCount(), "n")
     assert hook._split_value(None, PrefixCount(), "n") is None
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("count", [0, 1, 15, 20, 35])
+def test_tail_count_is_each_ranks_share_of_the_last_tokens(world, count):
+    """TailCount (Helios' original_context_length): each rank gets how many of the sequence's last
+    ``count`` tokens its shard holds; the shards' shares add up to ``count``."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import SPGroup
+    from diffusers_sp.sharding import SequenceSplitHook, SequenceState, TailCount, balanced_sizes
+
+    class Block(torch.nn.Module):
+        def forward(self, hidden_states, original_context_length=None):
+            return hidden_states
+
+    shares = []
+    for rank in range(world):
+        state = SequenceState(SPGroup(None, rank, world, "gloo"))
+        hook = SequenceSplitHook({"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
+                                  "original_context_length": TailCount()}, state)
+        hook.initialize_hook(Block())
+        (hidden, share), _ = hook.pre_forward(Block(), torch.zeros(1, 35, 2), count)
+        sizes = balanced_sizes(35, world)
+        start = sum(sizes[:rank])
+        assert hidden.shape[1] == sizes[rank] and state.inputs_split
+        assert share == len(set(range(start, start + sizes[rank])) & set(range(35 - count, 35)))
+        shares.append(share)
+    assert sum(shares) == count
+    with pytest.raises(SequenceParallelConfigError, match="inputs disagree"):
+        hook.pre_forward(Block(), torch.zeros(1, 35, 2), 36)
+    with pytest.raises(SequenceParallelConfigError, match="last tokens .* before any sequence tensor was split"):
+        SequenceSplitHook({}, SequenceState(SPGroup(None, 0, world, "gloo")))._split_value(3, TailCount(), "n")
