@@ -166,3 +166,12 @@ def test_tail_count_is_each_ranks_share_of_the_last_tokens(world, count):
         hook.pre_forward(Block(), torch.zeros(1, 35, 2), 36)
     with pytest.raises(SequenceParallelConfigError, match="last tokens .* before any sequence tensor was split"):
         SequenceSplitHook({}, SequenceState(SPGroup(None, 0, world, "gloo")))._split_value(3, TailCount(), "n")
+
+
+def test_helios_needs_two_blocks():
+    import families
+
+    model, _ = families.forward_cases()["helios_history"]()
+    model.blocks = model.blocks[:1]
+    with pytest.raises(SequenceParallelConfigError, match="at least 2 blocks"):
+        enable_sequence_parallel(model, mode="kv_gather")

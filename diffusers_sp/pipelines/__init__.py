@@ -147,6 +147,7 @@ def plan_without(plan: dict, drop: dict) -> dict:
 def _registry() -> tuple[FamilySpec, ...]:
     from .cogvideox import COGVIDEOX
     from .flux import FLUX
+    from .helios import HELIOS
     from .hunyuan_video import HUNYUAN_VIDEO
     from .ltx import LTX
     from .ltx2 import LTX2
@@ -155,7 +156,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .sd3 import SD3
     from .wan import WAN
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, HELIOS)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

@@ -19,7 +19,8 @@ runs as it is. Anything else is refused at the call, on every rank alike, with a
 SequenceParallelConfigError that says what the plan lacks: text tokens inside a marked call (where
 they sit is not in the plan), tensors of different lengths split by the plan (text the plan splits
 under a name not recognized as text), or a processor that does not call ``dispatch_attention_fn``.
-A model with such needs gets a short family module instead (Flux2, LTX-2).
+A model with such needs gets a short family module instead (Flux.2, LTX-2), as does one whose plan
+does not fit its model (Helios: its plan names 40 blocks and gathers after every sub-module).
 """
 
 from __future__ import annotations
