@@ -306,6 +306,31 @@ def case_error_query_dependent_mask():
     return out
 
 
+def case_error_cp_plan_text_in_marked_call():
+    """A transformer without a family module runs through its Diffusers _cp_plan, which does not say where
+    text joined inside an attention call sits: Flux.2 (text first in every attention call), as a
+    subclass no family names. The forward is refused on every rank alike (the message holds the text
+    length, not the rank's shard), in both modes; ChronoEdit and MiniMax-H3 run that path exactly."""
+    from diffusers import Flux2Transformer2DModel
+
+    from diffusers_sp.pipelines import family_for_model
+
+    class Flux2WithoutFamily(Flux2Transformer2DModel):
+        pass
+
+    model, kwargs = families.forward_cases()["flux2"]()
+    model.__class__ = Flux2WithoutFamily
+    out = {"family": family_for_model(model).name}
+    for mode in MODES:
+        handle = enable_sequence_parallel(model, mode=mode)
+        try:
+            with torch.no_grad():
+                out[mode] = error_of(lambda: model(**kwargs))
+        finally:
+            handle.disable()
+    return out
+
+
 def case_error_ulysses_fewer_heads_than_ranks():
     """CogVideoX with 1 head: Ulysses raises recommending kv_gather; auto picks kv_gather, which runs exactly."""
     g = _gen()

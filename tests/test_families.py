@@ -91,6 +91,18 @@ def test_query_dependent_mask_raises_on_every_rank(results):
         assert "depends on the query position" in msg and "key padding" in msg, msg
 
 
+def test_cp_plan_path_refuses_text_in_a_marked_call(results):
+    P, res = results
+    got = values(res, "error_cp_plan_text_in_marked_call")
+    assert got[0]["family"] == "cp_plan:Flux2WithoutFamily"
+    for mode in MODES:
+        msgs = {v[mode] for v in got}
+        assert len(msgs) == 1, msgs  # the same on every rank
+        msg = msgs.pop()
+        assert "Flux2WithoutFamily: Flux2AttnProcessor" in msg and "also holds 8 other tokens" in msg, msg
+        assert f"35 tokens over {P} ranks" in msg and "its Diffusers _cp_plan lacks" in msg, msg
+
+
 def test_fewer_heads_than_ranks(results):
     P, res = results
     for v in values(res, "error_ulysses_fewer_heads_than_ranks"):

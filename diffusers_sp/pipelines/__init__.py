@@ -147,6 +147,7 @@ def plan_without(plan: dict, drop: dict) -> dict:
 def _registry() -> tuple[FamilySpec, ...]:
     from .cogvideox import COGVIDEOX
     from .flux import FLUX
+    from .flux2 import FLUX2
     from .helios import HELIOS
     from .hunyuan_video import HUNYUAN_VIDEO
     from .ltx import LTX
@@ -156,7 +157,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .sd3 import SD3
     from .wan import WAN
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, HELIOS)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
