@@ -175,3 +175,15 @@ def test_helios_needs_two_blocks():
     model.blocks = model.blocks[:1]
     with pytest.raises(SequenceParallelConfigError, match="at least 2 blocks"):
         enable_sequence_parallel(model, mode="kv_gather")
+
+
+def test_models_with_a_cp_plan_and_no_family_module_run_through_it():
+    """ChronoEdit and MiniMax-H3 run through their Diffusers _cp_plan (their forward cases in
+    tests/families/ compare them with one process); Flux.2 and Helios have family modules."""
+    import families
+
+    for case in ("chronoedit_image_context", "minimax_h3_packed", "flux2", "helios_history"):
+        model, _ = families.forward_cases()[case]()
+        name = family_for_model(model).name
+        assert name == (f"cp_plan:{type(model).__name__}" if case.startswith(("chronoedit", "minimax")) else
+                        case.split("_")[0]), (case, name)
