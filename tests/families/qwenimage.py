@@ -29,12 +29,23 @@ def _randomize_zeros(model, seed: int = 0):
     return model
 
 
+def _vae():
+    """The ``AutoencoderKLQwenImage`` of ``tm.tiny_qwenimage_pipeline`` (4 x spatial) at base width 8 rather
+    than 24: these pipelines encode their input images, and the narrower one encodes ~4 x faster on CPU."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(0)
+    return AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                  temperal_downsample=[False, True], latents_mean=[0.0] * 4,
+                                  latents_std=[1.0] * 4).eval()
+
+
 def _qwen(cls, **extra):
     """A tiny QwenImage pipeline of class ``cls`` from the components of ``tm.tiny_qwenimage_pipeline`` and
     ``extra`` components, with its prompt template replaced by ``"{}"`` (the real templates' dropped
     prefix is counted in tokens of the real tokenizer)."""
     parts = tm.tiny_qwenimage_pipeline().components
-    parts.update(extra)
+    parts.update(vae=_vae(), **extra)
     expected, optional = cls._get_signature_keys(cls)
     pipe = cls(**{k: v for k, v in parts.items() if k in set(expected) | set(optional)})
     pipe.prompt_template_encode = "{}"
@@ -51,6 +62,88 @@ def _controlnet(extra_condition_channels: int = 0):
                                    num_attention_heads=5, joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
                                    extra_condition_channels=extra_condition_channels).eval()
     return _randomize_zeros(net)
+
+
+def _vl_tokenizer():
+    """A word-level tokenizer with Qwen2.5-VL's vision tokens at the ids of ``tm.tiny_qwenimage_pipeline``'s
+    text encoder (``<|video_pad|>`` 59, ``<|vision_start|>`` 60, ``<|vision_end|>`` 61, ``<|vision_pad|>`` 62,
+    ``<|image_pad|>`` 63): the processor expands ``<|image_pad|>`` to one token per merged image patch, and
+    the encoder puts the image features where that id is."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>"]
+    vocab = dict(sorted(tm.tiny_tokenizer().get_vocab().items(), key=lambda item: item[1]))  # the same ids
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), 59)})
+    vocab.update({t: 59 + i for i, t in enumerate(specials)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    out.add_special_tokens({"additional_special_tokens": specials})  # kept whole by the pre-tokenizer
+    return out
+
+
+def _vl_processor():
+    """A ``Qwen2VLProcessor`` (Qwen2.5-VL's patch 14, 2 x 2 merge; PIL image backend) over :func:`_vl_tokenizer`,
+    with a small ``min_pixels`` so that a tiny condition image stays a few patches."""
+    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    class TinyQwen2VLProcessor(Qwen2VLProcessor):
+        """Without a video processor: Transformers checks the class of every sub-processor, and the base
+        class of video processors needs torchvision, which is not installed; the pipelines pass images only."""
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return type(None)
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return TinyQwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56),
+                                tokenizer=_vl_tokenizer())
+
+
+def _small_condition_images(module_name: str):
+    """Makes a QwenImage Edit pipeline module size its reference images for a 2048-pixel area (e.g. 64 x 32
+    for a 2:1 image) instead of 1024 x 1024 pixels (its ``calculate_dimensions``, called with ``1024 * 1024``
+    in ``__call__``, or the ``VAE_IMAGE_SIZE`` / ``CONDITION_IMAGE_SIZE`` of Edit Plus): a tiny model would
+    otherwise encode ~16k reference tokens."""
+    import importlib
+
+    mod = importlib.import_module(f"diffusers.pipelines.qwenimage.{module_name}")
+    if hasattr(mod, "VAE_IMAGE_SIZE"):
+        mod.VAE_IMAGE_SIZE = mod.CONDITION_IMAGE_SIZE = 2048
+    original = getattr(mod.calculate_dimensions, "__wrapped__", mod.calculate_dimensions)
+
+    def calculate_dimensions(target_area, ratio):
+        return original(2048 if target_area == 1024 * 1024 else target_area, ratio)
+
+    calculate_dimensions.__wrapped__ = original
+    mod.calculate_dimensions = calculate_dimensions
+
+
+def _edit_pipe(cls, module_name: str, template: str, **transformer):
+    _small_condition_images(module_name)
+    kwargs = {"processor": _vl_processor(), "tokenizer": _vl_tokenizer()}
+    if transformer:
+        kwargs["transformer"] = tm.tiny_qwenimage_transformer(**transformer)
+    pipe = _qwen(cls, **kwargs)
+    pipe.prompt_template_encode = template
+    return pipe
+
+
+def _edit():
+    from diffusers import QwenImageEditPipeline
+
+    # Its template holds the image's place in the prompt (the real one adds a system prompt, dropped after).
+    return _edit_pipe(QwenImageEditPipeline, "pipeline_qwenimage_edit", "<|vision_start|><|image_pad|><|vision_end|>{}")
+
+
+def _edit_plus():
+    from diffusers import QwenImageEditPlusPipeline
+
+    # Edit Plus writes "Picture i: <|vision_start|><|image_pad|><|vision_end|>" per image itself; the
+    # transformer of Qwen-Image-Edit-2511 (zero_cond_t: the reference tokens get timestep 0 through the
+    # per-token modulate_index, which is split with the tokens).
+    return _edit_pipe(QwenImageEditPlusPipeline, "pipeline_qwenimage_edit_plus", "{}", zero_cond_t=True)
 
 
 def _img2img():
@@ -90,4 +183,11 @@ PIPELINES = {
     "QwenImageControlNetPipeline": Pipe(_controlnet_pipe, lambda: dict(_CALL, control_image=image(56, 40, seed=1))),
     "QwenImageControlNetInpaintPipeline": Pipe(_controlnet_inpaint, lambda: dict(
         _CALL, control_image=image(56, 40, seed=1), control_mask=mask_image(56, 40))),
+    # The 64 x 32 reference image is 8 x 16 latents, 4 x 8 = 32 tokens after the 35 of the image: 67.
+    "QwenImageEditPipeline": Pipe(_edit, lambda: dict(_CALL, image=[image(64, 32), image(64, 32, seed=1)]), tokens=67),
+    # One prompt (Edit Plus takes a batch of 1) and two reference images, 64 x 32 (32 tokens) and 32 x 32
+    # (16 tokens): 35 + 48 = 83 tokens.
+    "QwenImageEditPlusPipeline": Pipe(_edit_plus, lambda: dict(
+        _CALL, prompt="a cat runs on the grass", negative_prompt="rain",
+        image=[image(64, 32), image(32, 32, seed=1)]), tokens=83),
 }
