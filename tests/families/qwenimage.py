@@ -45,7 +45,7 @@ def _qwen(cls, **extra):
     ``extra`` components, with its prompt template replaced by ``"{}"`` (the real templates' dropped
     prefix is counted in tokens of the real tokenizer)."""
     parts = tm.tiny_qwenimage_pipeline().components
-    parts.update(vae=_vae(), **extra)
+    parts.update({"vae": _vae(), **extra})
     expected, optional = cls._get_signature_keys(cls)
     pipe = cls(**{k: v for k, v in parts.items() if k in set(expected) | set(optional)})
     pipe.prompt_template_encode = "{}"
@@ -101,27 +101,32 @@ def _vl_processor():
                                 tokenizer=_vl_tokenizer())
 
 
-def _small_condition_images(module_name: str):
-    """Makes a QwenImage Edit pipeline module size its reference images for a 2048-pixel area (e.g. 64 x 32
-    for a 2:1 image) instead of 1024 x 1024 pixels (its ``calculate_dimensions``, called with ``1024 * 1024``
-    in ``__call__``, or the ``VAE_IMAGE_SIZE`` / ``CONDITION_IMAGE_SIZE`` of Edit Plus): a tiny model would
-    otherwise encode ~16k reference tokens."""
+def _small_images(module_name: str, area: int = 2048, multiple: int = 32):
+    """Makes a QwenImage Edit or Layered pipeline module size its images for ``area`` pixels (e.g. 64 x 32 for
+    a 2:1 image at 2048) instead of 1024 x 1024 (Layered: 640 x 640): a tiny model would otherwise encode
+    thousands of reference tokens. Replaces the module's ``calculate_dimensions`` (called with those areas in
+    ``__call__``) by the same formula as Diffusers' (width sqrt(area x ratio), height width / ratio), rounded
+    to ``multiple`` pixels (Diffusers: 32; 8 is what the tiny VAE's 4 x and the 2 x 2 packing need), and sets
+    Edit Plus's ``VAE_IMAGE_SIZE`` / ``CONDITION_IMAGE_SIZE`` to ``area``."""
     import importlib
+    import math
 
     mod = importlib.import_module(f"diffusers.pipelines.qwenimage.{module_name}")
     if hasattr(mod, "VAE_IMAGE_SIZE"):
-        mod.VAE_IMAGE_SIZE = mod.CONDITION_IMAGE_SIZE = 2048
-    original = getattr(mod.calculate_dimensions, "__wrapped__", mod.calculate_dimensions)
+        mod.VAE_IMAGE_SIZE = mod.CONDITION_IMAGE_SIZE = area
+    three = len(getattr(mod.calculate_dimensions, "__wrapped__", mod.calculate_dimensions)(1024, 1.0)) == 3
 
     def calculate_dimensions(target_area, ratio):
-        return original(2048 if target_area == 1024 * 1024 else target_area, ratio)
+        width = math.sqrt(min(target_area, area) * ratio)
+        width, height = round(width / multiple) * multiple, round(width / ratio / multiple) * multiple
+        return (width, height, None) if three else (width, height)  # Edit returns a third, unused value
 
-    calculate_dimensions.__wrapped__ = original
+    calculate_dimensions.__wrapped__ = getattr(mod.calculate_dimensions, "__wrapped__", mod.calculate_dimensions)
     mod.calculate_dimensions = calculate_dimensions
 
 
 def _edit_pipe(cls, module_name: str, template: str, **transformer):
-    _small_condition_images(module_name)
+    _small_images(module_name)
     kwargs = {"processor": _vl_processor(), "tokenizer": _vl_tokenizer()}
     if transformer:
         kwargs["transformer"] = tm.tiny_qwenimage_transformer(**transformer)
@@ -144,6 +149,27 @@ def _edit_plus():
     # transformer of Qwen-Image-Edit-2511 (zero_cond_t: the reference tokens get timestep 0 through the
     # per-token modulate_index, which is split with the tokens).
     return _edit_pipe(QwenImageEditPlusPipeline, "pipeline_qwenimage_edit_plus", "{}", zero_cond_t=True)
+
+
+def _edit_inpaint():
+    from diffusers import QwenImageEditInpaintPipeline
+
+    return _edit_pipe(QwenImageEditInpaintPipeline, "pipeline_qwenimage_edit_inpaint",
+                      "<|vision_start|><|image_pad|><|vision_end|>{}")
+
+
+def _layered():
+    from diffusers import AutoencoderKLQwenImage, QwenImageLayeredPipeline
+
+    # Qwen-Image-Layered: RGBA images (a VAE of 4 input channels), layer-aware 3-D RoPE and the extra
+    # timestep condition. 8 latent channels: with 4, as many as RGBA, the pipeline takes the image for latents.
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=8, dim_mult=[1, 2, 4], num_res_blocks=1, input_channels=4,
+                                 temperal_downsample=[False, True], latents_mean=[0.0] * 8, latents_std=[1.0] * 8).eval()
+    _small_images("pipeline_qwenimage_layered", area=448, multiple=8)  # 56 x 8 for a 7:1 image
+    transformer = tm.tiny_qwenimage_transformer(in_channels=32, out_channels=8, use_layer3d_rope=True,
+                                                use_additional_t_cond=True)
+    return _qwen(QwenImageLayeredPipeline, vae=vae, processor=_vl_processor(), transformer=transformer)
 
 
 def _img2img():
@@ -185,6 +211,18 @@ PIPELINES = {
         _CALL, control_image=image(56, 40, seed=1), control_mask=mask_image(56, 40))),
     # The 64 x 32 reference image is 8 x 16 latents, 4 x 8 = 32 tokens after the 35 of the image: 67.
     "QwenImageEditPipeline": Pipe(_edit, lambda: dict(_CALL, image=[image(64, 32), image(64, 32, seed=1)]), tokens=67),
+    # Edit Inpaint makes its output the size of the reference image, so its sequence is twice one image's
+    # tokens, always even: 64 x 32 pixels are 32 + 32 = 64 tokens, uneven over 3 ranks only.
+    "QwenImageEditInpaintPipeline": Pipe(_edit_inpaint, lambda: dict(
+        negative_prompt=["rain", "snow at night over the city"], true_cfg_scale=4.0, strength=0.9,
+        image=[image(64, 32), image(64, 32, seed=1)], mask_image=mask_image(64, 32)), tokens=64),
+    # Layered makes ``layers`` + 1 images the size of the input one and appends the input: a 56 x 8 image is
+    # 1 x 7 tokens, (3 + 2) x 7 = 35 with 3 layers. Decoded, and one prompt: in Diffusers 0.42 its
+    # output_type="latent" returns nothing (``images`` is bound only when decoding) and a batch of 2 is
+    # regrouped into arrays of different shapes.
+    "QwenImageLayeredPipeline": Pipe(_layered, lambda: dict(
+        prompt="a cat runs on the grass under the blue sky", negative_prompt="rain", true_cfg_scale=4.0, layers=3,
+        image=image(56, 8).convert("RGBA"), output_type="np"), tokens=35),
     # One prompt (Edit Plus takes a batch of 1) and two reference images, 64 x 32 (32 tokens) and 32 x 32
     # (16 tokens): 35 + 48 = 83 tokens.
     "QwenImageEditPlusPipeline": Pipe(_edit_plus, lambda: dict(
