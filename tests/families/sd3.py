@@ -91,6 +91,25 @@ def _controlnet_inpainting():
     return _sd3(StableDiffusion3ControlNetInpaintingPipeline, controlnet=_controlnet(extra_conditioning_channels=1))
 
 
+def _pag(cls):
+    """A PAG pipeline of class ``cls`` on a 3-block transformer with PAG at block 1: not the last block, whose
+    text output SD3 drops (``context_pre_only``), so that the text rows of the perturbed attention matter;
+    not block 0, whose SD3.5 image-only ``attn2`` the PAG processors cannot run (they need the text)."""
+    return _sd3(cls, transformer=tm.tiny_sd3_transformer(num_layers=3), pag_applied_layers=["blocks.1"])
+
+
+def _pag_pipe():
+    from diffusers import StableDiffusion3PAGPipeline
+
+    return _pag(StableDiffusion3PAGPipeline)
+
+
+def _pag_img2img():
+    from diffusers import StableDiffusion3PAGImg2ImgPipeline
+
+    return _pag(StableDiffusion3PAGImg2ImgPipeline)
+
+
 _CALL = dict(height=5, width=7, max_sequence_length=8, guidance_scale=5.0)
 
 PIPELINES = {
@@ -102,4 +121,9 @@ PIPELINES = {
         _CALL, height=40, width=56, control_image=image(56, 40, seed=1))),
     "StableDiffusion3ControlNetInpaintingPipeline": Pipe(_controlnet_inpainting, lambda: dict(
         _CALL, control_image=image(7, 5, seed=1), control_mask=mask_image(7, 5))),
+    # PAG with CFG: a batch of [uncond, cond, perturbed] (PAGCFGJointAttnProcessor2_0) ...
+    "StableDiffusion3PAGPipeline": Pipe(_pag_pipe, lambda: dict(_CALL, pag_scale=3.0)),
+    # ... and without (guidance_scale 1): [cond, perturbed] (PAGJointAttnProcessor2_0).
+    "StableDiffusion3PAGImg2ImgPipeline": Pipe(_pag_img2img, lambda: dict(
+        _CALL, guidance_scale=1.0, pag_scale=3.0, image=image(7, 5), strength=0.9)),
 }
