@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -316,6 +317,21 @@ def _check_model(installed: _InstalledModel) -> None:
             "the new processors, then enable sequence parallelism again to wrap them.")
 
 
+def _perturbed_guidance(target) -> str:
+    """Why CFG parallelism cannot split ``target``'s batch (``""`` when it can): a Diffusers pipeline with
+    perturbed-attention guidance (``PAGMixin``) runs its passes as one transformer batch,
+    ``[uncond, cond, perturbed]`` or ``[cond, perturbed]``, which its PAG attention processors cut into
+    those passes again; a half of it on each CFG group would be cut wrongly."""
+    try:
+        from diffusers.pipelines.pag.pag_utils import PAGMixin
+    except ImportError:  # a Diffusers without PAG
+        return ""
+    if not isinstance(target, PAGMixin):
+        return ""
+    return ("perturbed-attention guidance (PAG) runs [uncond, cond, perturbed] (or [cond, perturbed]) as one "
+            "transformer batch that its attention processors cut into those passes")
+
+
 def _gate_paths(spec, traits: PipelineTraits) -> list:
     """``vsa_gate_weights`` as one path (or None) per transformer of ``traits``.
 
@@ -472,9 +488,18 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     from . import cfg_parallel as _cfg
     from .replicas import resolve_layout
 
+    pag = _perturbed_guidance(target)
+    if pag and cfg_parallel is True:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: cfg_parallel=True cannot split this pipeline's guidance: {pag}, while CFG "
+            f"parallelism gives each CFG group one half of the batch. Use cfg_parallel=False (sequence "
+            f"parallelism runs perturbed-attention guidance exactly).")
     layout = resolve_layout(traits.name, world_size_for(process_group), cfg_parallel=cfg_parallel,
-                            sp_degree=sp_degree, family=family.name, cfg_capable=family.cfg_strategy is not None,
+                            sp_degree=sp_degree, family=family.name,
+                            cfg_capable=family.cfg_strategy is not None and not pag,
                             cfg_by_default=family.cfg_by_default, process_group=process_group)
+    if pag and cfg_parallel == "auto":
+        layout = dataclasses.replace(layout, cfg_reason=pag)
     resolved = validate_mode(mode, traits, layout.sp_degree)
     for _, model in models:
         _check_no_cache(model)
