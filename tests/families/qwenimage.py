@@ -126,6 +126,9 @@ def _small_images(module_name: str, area: int = 2048, multiple: int = 32):
 
 
 def _edit_pipe(cls, module_name: str, template: str, **transformer):
+    """A tiny pipeline of class ``cls`` (in ``diffusers.pipelines.qwenimage.<module_name>``) that encodes its
+    prompts with the image: the tiny Qwen2-VL processor and tokenizer, prompt ``template``, small images,
+    and a transformer made with ``transformer`` overrides when given."""
     _small_images(module_name)
     kwargs = {"processor": _vl_processor(), "tokenizer": _vl_tokenizer()}
     if transformer:
@@ -209,7 +212,8 @@ PIPELINES = {
     "QwenImageControlNetPipeline": Pipe(_controlnet_pipe, lambda: dict(_CALL, control_image=image(56, 40, seed=1))),
     "QwenImageControlNetInpaintPipeline": Pipe(_controlnet_inpaint, lambda: dict(
         _CALL, control_image=image(56, 40, seed=1), control_mask=mask_image(56, 40))),
-    # The 64 x 32 reference image is 8 x 16 latents, 4 x 8 = 32 tokens after the 35 of the image: 67.
+    # The 64 x 32 reference image is 8 x 16 latents, 4 x 8 = 32 tokens after the 35 of the image: 67. One
+    # image per prompt: Transformers' Qwen2VLProcessor wants as many images as <|image_pad|> in the texts.
     "QwenImageEditPipeline": Pipe(_edit, lambda: dict(_CALL, image=[image(64, 32), image(64, 32, seed=1)]), tokens=67),
     # Edit Inpaint makes its output the size of the reference image, so its sequence is twice one image's
     # tokens, always even: 64 x 32 pixels are 32 + 32 = 64 tokens, uneven over 3 ranks only.

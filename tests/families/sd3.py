@@ -53,14 +53,14 @@ def _sd3(cls, channels: int = 4, **extra):
     return cls(**parts)
 
 
-def _controlnet(in_channels: int = 4, extra_conditioning_channels: int = 0):
-    """An ``SD3ControlNetModel`` with the tiny transformer's width (3 heads of 8), one block."""
+def _controlnet(extra_conditioning_channels: int = 0):
+    """An ``SD3ControlNetModel`` with the tiny transformer's width (3 heads of 8) and 4 channels, one block."""
     from diffusers import SD3ControlNetModel
 
     torch.manual_seed(1)
-    net = SD3ControlNetModel(sample_size=32, patch_size=1, in_channels=in_channels, num_layers=1, attention_head_dim=8,
+    net = SD3ControlNetModel(sample_size=32, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
                              num_attention_heads=3, joint_attention_dim=32, caption_projection_dim=24,
-                             pooled_projection_dim=64, out_channels=in_channels,
+                             pooled_projection_dim=64, out_channels=4,
                              extra_conditioning_channels=extra_conditioning_channels).eval()
     return _randomize_zeros(net)
 
