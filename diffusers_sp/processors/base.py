@@ -152,7 +152,8 @@ def is_image_identity_mask(attn_mask: torch.Tensor, text_len: int, text_layout: 
             the text sits, the image tokens are the rest.
 
     Returns:
-        True when the mask is exactly that pattern (and ``L`` > 1); False otherwise.
+        True when the mask is exactly that pattern (and ``L`` > 1); False otherwise. With one image token
+        the pattern cannot be told from an open mask: the caller asks only when every rank has two or more.
     """
     if attn_mask.dim() not in (2, 4) or attn_mask.shape[-1] != attn_mask.shape[-2] or attn_mask.shape[-1] < 2:
         return False
@@ -447,7 +448,9 @@ class SequenceParallelAttnProcessor:
         layout = self.state.extra.get("joint_text")
         length = query.shape[2]
         text_len = self._text_len(name, length, key.shape[2], sizes)
-        if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1 and \
+        # min(sizes) > 1: a 1 x 1 image block is the identity and open alike, so on a rank with one image
+        # token an open query-dependent mask would pass for one, while the other ranks refuse it.
+        if attn_mask is not None and min(sizes) > 1 and attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1 and \
                 is_image_identity_mask(attn_mask, text_len, layout):
             return self._identity_attention(query, key, value, attn_mask, sizes, scale=scale, text_len=text_len,
                                             text_layout=layout)
