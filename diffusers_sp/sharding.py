@@ -8,6 +8,10 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
   split those forward arguments (or, with ``split_output=True``, those outputs) along ``split_dim``;
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
+Besides Diffusers' specs, an entry may be a :class:`SplitEach` (a list of tensors), a
+:class:`SplitByDims` (several accepted layouts) or a :class:`JointSequence` (text joined to the
+sequence inside the model's forward: only the sequence part is split or gathered).
+
 Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
 tokens and P ranks, rank r gets ``S // P + (r < S % P)`` tokens, in rank order. Tensors whose rank
 (number of dims) differs from ``expected_dims`` pass through whole, as in Diffusers.
@@ -85,6 +89,55 @@ class SplitEach:
     added to the image tokens."""
 
     spec: object
+
+
+TEXT_SIDES = ("prefix", "suffix")
+
+
+@dataclass(frozen=True)
+class JointSequence:
+    """A plan entry for a tensor that joins replicated text entries to the split sequence along one
+    dimension, e.g. ``[B, T + S, C]`` hidden states that a model's forward concatenated itself:
+    ``spec`` (a ``ContextParallelInput`` to split, or a ``ContextParallelOutput`` to gather) applies to
+    the sequence part only; the text part stays whole on every rank, in place.
+
+    The text is the first (``text="prefix"``) or last (``"suffix"``) ``n - S`` entries along the
+    dimension, ``n`` being the tensor's extent there and ``S`` the sequence length set by this
+    forward's earlier splits (``S_r``, this rank's shard, for a gather). So such an entry must come
+    after a plain split in the forward; it raises otherwise. Why not read ``T`` elsewhere: the
+    per-forward sequence length is what every split is checked against already, while where the text
+    ends is known only inside the model (Lumina 2 passes ``[caption; image]`` to its joint blocks).
+    """
+
+    spec: object
+    text: str = "prefix"
+
+    def __post_init__(self):
+        if self.text not in TEXT_SIDES:
+            raise ValueError(f"JointSequence text must be one of {TEXT_SIDES}, got {self.text!r}")
+
+    @property
+    def expected_dims(self):
+        return self.spec.expected_dims
+
+    def parts(self, x: torch.Tensor, dim: int, seq_len: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(text, sequence)`` views of ``x`` along ``dim`` (``seq_len`` sequence entries)."""
+        n = x.shape[dim]
+        if n < seq_len:
+            raise SequenceParallelConfigError(
+                f"{what} of shape {list(x.shape)} has {n} entries along dim {dim}, fewer than the {seq_len} "
+                f"sequence tokens it should hold after its text: the sharding plan does not match the model's "
+                f"forward (open an issue with the model class).")
+        text_len = n - seq_len
+        if self.text == "prefix":
+            return x.narrow(dim, 0, text_len), x.narrow(dim, text_len, seq_len)
+        return x.narrow(dim, seq_len, text_len), x.narrow(dim, 0, seq_len)
+
+    def join(self, text: torch.Tensor, sequence: torch.Tensor, dim: int) -> torch.Tensor:
+        """Inverse of :meth:`parts` (with the sequence part split or gathered in between)."""
+        if text.shape[dim] == 0:
+            return sequence
+        return torch.cat([text, sequence] if self.text == "prefix" else [sequence, text], dim=dim)
 
 
 @dataclass
@@ -195,6 +248,8 @@ class SequenceSplitHook(ModelHook):
         return tuple(args), kwargs
 
     def _split_value(self, value, spec, what: str = "a tensor"):
+        if isinstance(spec, JointSequence):
+            return self._split_joint(value, spec, what)
         if isinstance(spec, SplitEach):
             if not isinstance(value, (list, tuple)):
                 return value
@@ -208,6 +263,19 @@ class SequenceSplitHook(ModelHook):
             return type(value)(self._split(v, s, what) for v, s in zip(value, spec))
         return self._split(value, spec, what)
 
+    def _split_joint(self, value, spec: JointSequence, what: str):
+        """Splits the sequence part of a :class:`JointSequence` tensor; its text part stays whole."""
+        inner = spec.spec
+        if not torch.is_tensor(value) or (inner.expected_dims is not None and value.ndim != inner.expected_dims):
+            return value
+        if self.state.seq_len is None:
+            raise SequenceParallelConfigError(
+                f"{what} joins text to the sequence, but no split of this forward has set the sequence length "
+                f"yet: the sharding plan does not match the model's forward (open an issue with the model class).")
+        dim = inner.split_dim % value.ndim
+        text, sequence = spec.parts(value, dim, self.state.seq_len, what)
+        return spec.join(text, self._split(sequence, inner, what), dim)
+
     def post_forward(self, module, output):
         out_specs = {k: v for k, v in self.entries.items() if isinstance(k, int)}
         if not out_specs:
@@ -215,7 +283,7 @@ class SequenceSplitHook(ModelHook):
         single = torch.is_tensor(output)
         items = [output] if single else list(output)
         for index, spec in out_specs.items():
-            items[index] = self._split(items[index], spec, f"output {index} of {type(module).__name__}")
+            items[index] = self._split_value(items[index], spec, f"output {index} of {type(module).__name__}")
         return items[0] if single else type(output)(items)
 
 
@@ -266,10 +334,15 @@ class SequenceGatherHook(ModelHook):
         for i, spec in enumerate(self.specs):
             if spec is None or (spec.expected_dims is not None and items[i].ndim != spec.expected_dims):
                 continue
-            full = all_gather_along(items[i], spec.gather_dim, self.state.shard_sizes(), self.state.group)
+            joint, spec = (spec, spec.spec) if isinstance(spec, JointSequence) else (None, spec)
+            sizes = self.state.shard_sizes()
+            dim = spec.gather_dim % items[i].ndim
+            text, local = (None, items[i]) if joint is None else joint.parts(
+                items[i], dim, sizes[self.state.group.rank], f"output {i} of {type(module).__name__}")
+            full = all_gather_along(local, dim, sizes, self.state.group)
             if self.state.order is not None:
-                full = full.index_select(spec.gather_dim % full.ndim, self.state.order.inverse.to(full.device))
-            items[i] = full
+                full = full.index_select(dim, self.state.order.inverse.to(full.device))
+            items[i] = full if joint is None else joint.join(text, full, dim)
         return items[0] if single else type(output)(items)
 
 
@@ -318,7 +391,7 @@ def _register_plan(model, plan, state, installed: list) -> None:
             hook_name = f"{HOOK_PREFIX}_split:{name}"
             make = lambda: SequenceSplitHook(entry, state)  # noqa: E731
         else:
-            specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
+            specs = [entry] if isinstance(entry, (ContextParallelOutput, JointSequence)) else list(entry)
             hook_name = f"{HOOK_PREFIX}_gather:{name}"
             make = lambda: SequenceGatherHook(specs, state)  # noqa: E731
         for module in modules:

@@ -118,6 +118,73 @@ def case_functional_no_text():
     return _functional(0, None, None, heads=4)
 
 
+def _joint_sequence_plan(text_side: str) -> dict:
+    """A toy model that joins replicated text to its tokens inside its forward, as Lumina 2 does:
+    ``embed`` (output split: sets S) and ``refine`` (output gathered) run on the tokens alone, then
+    ``[text; tokens]`` (or ``[tokens; text]``) and a per-token table pass through ``block`` (both
+    split as :class:`~diffusers_sp.sharding.JointSequence` inputs) and ``out`` (gathered as one). The
+    text rows must stay whole and in place; the output must equal the unsplit forward bit for bit."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.sharding import JointSequence, SequenceState, apply_plan, remove_hooks
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix = torch.nn.Linear(8, 8)
+
+        def forward(self, hidden_states, table):  # [B, T + S, 8], [B, T + S]
+            return self.mix(hidden_states) * table[..., None]
+
+    class Joint(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.refine = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8)
+            self.block, self.out = Block(), torch.nn.Linear(8, 8)
+
+        def forward(self, tokens, text, table):  # [B, S, 4], [B, T, 8], [B, T + S]
+            x = self.refine(self.embed(tokens))
+            x = torch.cat([text, x] if text_side == "prefix" else [x, text], dim=1)
+            return self.out(self.block(x, table))
+
+    torch.manual_seed(0)
+    model = Joint()
+    g = _gen(3)
+    kwargs = dict(tokens=torch.randn(2, 35, 4, generator=g), text=torch.randn(2, 6, 8, generator=g),
+                  table=torch.rand(2, 41, generator=g))
+    split = lambda dims: JointSequence(ContextParallelInput(split_dim=1, expected_dims=dims), text_side)  # noqa: E731
+    plan = {"embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+            "refine": ContextParallelOutput(gather_dim=1, expected_dims=3),
+            "block": {"hidden_states": split(3), "table": split(2)},
+            "out": JointSequence(ContextParallelOutput(gather_dim=1, expected_dims=3), text_side)}
+    with torch.no_grad():
+        ref = model(**kwargs)
+        state = SequenceState(resolve_group())
+        hooks = apply_plan(model, plan, state)
+        try:
+            result = compare(ref, model(**kwargs))
+            result["seq_len"] = state.seq_len
+        finally:
+            remove_hooks(hooks)
+        # The text part is defined by the sequence length of an earlier split: without one, it raises.
+        early = {"block": {"hidden_states": split(3)}}
+        hooks = apply_plan(model, early, SequenceState(resolve_group()))
+        try:
+            result["no_earlier_split"] = error_of(lambda: model(**kwargs))
+        finally:
+            remove_hooks(hooks)
+    return result
+
+
+def case_joint_sequence_plan_prefix():
+    return _joint_sequence_plan("prefix")
+
+
+def case_joint_sequence_plan_suffix():
+    return _joint_sequence_plan("suffix")
+
+
 # ------------------------------------------------------------------ every family's forwards and pipelines
 # (the tiny configs of tests/families/; one case per forward and per pipeline, defined below)
 

@@ -35,6 +35,17 @@ def test_joint_attention_strategies_exact(results, case):
             assert_close(v[f"{mode} start/finish"], f"P={P} rank {rank} {case} {mode} start/finish")
 
 
+@pytest.mark.parametrize("side", ["prefix", "suffix"])
+def test_joint_sequence_plan_entries_exact(results, side):
+    """Text joined to the split sequence inside a model's forward (JointSequence plan entries): the
+    sequence part is split and gathered, the text part stays whole and in place."""
+    P, res = results
+    for rank, v in enumerate(values(res, f"joint_sequence_plan_{side}")):
+        assert v["equal"], f"P={P} rank {rank} {side}: {v}"
+        assert v["seq_len"] == TOKENS
+        assert "no split of this forward has set the sequence length" in v["no_earlier_split"], v
+
+
 @pytest.mark.parametrize("case", FORWARDS)
 def test_transformer_forward_equals_one_process(results, case):
     P, res = results
