@@ -356,20 +356,31 @@ def _submodules(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
 
 
 def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState,
-               refuse: dict | None = None) -> list[tuple[torch.nn.Module, str]]:
-    """Registers split/gather hooks for ``plan`` on ``model``'s submodules, and a
-    :class:`SequenceForwardHook` on ``model`` (outermost of these, so it runs first) that refuses the
-    forward arguments named in ``refuse`` (``{name: why}``).
+               refuse: dict | None = None, hooks: dict | None = None) -> list[tuple[torch.nn.Module, str]]:
+    """Registers split/gather hooks for ``plan`` on ``model``'s submodules, then the family's own
+    ``hooks``, and a :class:`SequenceForwardHook` on ``model`` (outermost of these, so it runs first)
+    that refuses the forward arguments named in ``refuse`` (``{name: why}``).
+
+    Args:
+        hooks: ``{submodule name (``"layers.*"`` for every child): () -> ModelHook}``: rewrites that a
+            plan cannot express (:attr:`diffusers_sp.pipelines.FamilySpec.forward_hooks`). Registered
+            after the plan's hooks on the same module, so their ``pre_forward`` runs before the plan's
+            splits and their ``post_forward`` after the plan's splits and gathers.
 
     Returns:
         ``(module, hook name)`` pairs, for :func:`remove_hooks`.
 
     Raises:
-        SequenceParallelConfigError: a plan entry names a submodule the model does not have.
+        SequenceParallelConfigError: a plan entry or hook names a submodule the model does not have.
     """
     installed = []
     try:
         _register_plan(model, plan, state, installed)
+        for name, make in (hooks or {}).items():
+            hook_name = f"{HOOK_PREFIX}_family:{name}"
+            for module in _submodules_of(model, name, "a family hook"):
+                HookRegistry.check_if_exists_or_initialize(module).register_hook(make(), hook_name)
+                installed.append((module, hook_name))
         hook_name = f"{HOOK_PREFIX}_forward"
         HookRegistry.check_if_exists_or_initialize(model).register_hook(SequenceForwardHook(state, refuse), hook_name)
         installed.append((model, hook_name))
@@ -379,14 +390,17 @@ def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState,
     return installed
 
 
+def _submodules_of(model, name: str, what: str) -> list[torch.nn.Module]:
+    try:
+        return _submodules(model, name)
+    except AttributeError as exc:
+        raise SequenceParallelConfigError(
+            f"{type(model).__name__}: {what} names submodule {name!r}, which the model lacks.") from exc
+
+
 def _register_plan(model, plan, state, installed: list) -> None:
     for name, entry in plan.items():
-        try:
-            modules = _submodules(model, name)
-        except AttributeError as exc:
-            raise SequenceParallelConfigError(
-                f"{type(model).__name__}: sharding plan names submodule {name!r}, which the model lacks."
-            ) from exc
+        modules = _submodules_of(model, name, "sharding plan")
         if isinstance(entry, dict):
             hook_name = f"{HOOK_PREFIX}_split:{name}"
             make = lambda: SequenceSplitHook(entry, state)  # noqa: E731

@@ -123,7 +123,10 @@ def _joint_sequence_plan(text_side: str) -> dict:
     ``embed`` (output split: sets S) and ``refine`` (output gathered) run on the tokens alone, then
     ``[text; tokens]`` (or ``[tokens; text]``) and a per-token table pass through ``block`` (both
     split as :class:`~diffusers_sp.sharding.JointSequence` inputs) and ``out`` (gathered as one). The
-    text rows must stay whole and in place; the output must equal the unsplit forward bit for bit."""
+    text rows must stay whole and in place; the output must equal the unsplit forward bit for bit.
+    A family hook (``apply_plan(..., hooks=...)``) on ``block`` fills in an argument before the plan
+    splits it."""
+    from diffusers.hooks import ModelHook
     from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
     from diffusers_sp.groups import resolve_group
@@ -165,6 +168,17 @@ def _joint_sequence_plan(text_side: str) -> dict:
         try:
             result = compare(ref, model(**kwargs))
             result["seq_len"] = state.seq_len
+        finally:
+            remove_hooks(hooks)
+        # A family hook on the same module runs its pre_forward before the plan's splits: here it passes
+        # the table that the model's caller left out (as Lumina 2's hook passes the mask its blocks lack).
+        class FillTable(ModelHook):
+            def pre_forward(self, module, hidden_states, table):
+                return (hidden_states, kwargs["table"] if table is None else table), {}
+
+        hooks = apply_plan(model, plan, SequenceState(resolve_group()), hooks={"block": FillTable})
+        try:
+            result["family_hook"] = compare(ref, model(**{**kwargs, "table": None}))
         finally:
             remove_hooks(hooks)
         # The text part is defined by the sequence length of an earlier split: without one, it raises.

@@ -38,10 +38,12 @@ def test_joint_attention_strategies_exact(results, case):
 @pytest.mark.parametrize("side", ["prefix", "suffix"])
 def test_joint_sequence_plan_entries_exact(results, side):
     """Text joined to the split sequence inside a model's forward (JointSequence plan entries): the
-    sequence part is split and gathered, the text part stays whole and in place."""
+    sequence part is split and gathered, the text part stays whole and in place; a family hook runs
+    before the plan's splits on its module."""
     P, res = results
     for rank, v in enumerate(values(res, f"joint_sequence_plan_{side}")):
         assert v["equal"], f"P={P} rank {rank} {side}: {v}"
+        assert v["family_hook"]["equal"], f"P={P} rank {rank} {side} with a family hook: {v}"
         assert v["seq_len"] == TOKENS
         assert "no split of this forward has set the sequence length" in v["no_earlier_split"], v
 
