@@ -148,12 +148,13 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .flux import FLUX
     from .hunyuan_video import HUNYUAN_VIDEO
     from .ltx import LTX
+    from .lumina2 import LUMINA2
     from .mochi import MOCHI
     from .qwenimage import QWENIMAGE
     from .sd3 import SD3
     from .wan import WAN
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, LUMINA2)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
