@@ -118,6 +118,57 @@ def case_functional_no_text():
     return _functional(0, None, None, heads=4)
 
 
+def _functional_padding_both_sides(layout, kind):
+    """A padding mask over queries and keys, ``M[q, k] = m[q] and m[k]``, through the processors'
+    attention call (both dense strategies): boolean (padding queries fully masked) or CogView4's float
+    form ``m[q] * m[k]`` (an additive 1.0 on valid pairs, padding queries unbiased). Sample 0 pads two
+    text tokens, sample 1 two image tokens (the last ones: on the last rank only)."""
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors import KVGatherAttnProcessor, UlyssesAttnProcessor
+    from diffusers_sp.processors.base import split_text_image
+    from diffusers_sp.sharding import SequenceState, shard
+
+    class Inner:  # the model's processor: never called here, only its signature is read
+        def __call__(self, attn, hidden_states):
+            raise AssertionError
+
+    group = resolve_group()
+    g = _gen(11)
+    B, H, S, T, D = 2, 5, 35, 6, 8
+    L = T + S
+    q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
+    keep = torch.ones(B, L, dtype=torch.bool)
+    text, image = split_text_image(keep, T, layout, dim=1)
+    text[0, -2:] = False
+    image[1, -2:] = False
+    m = keep if kind == "bool" else keep.float()
+    full = (m[:, :, None] & m[:, None, :]) if kind == "bool" else m[:, :, None] * m[:, None, :]
+    full = full[:, None]  # [B, 1, L, L]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full)
+
+    def local(x, dim=2):
+        t, i = split_text_image(x, T, layout, dim=dim)
+        i = shard(i, dim, group.rank, group.world_size)
+        return torch.cat([t, i] if layout == "prefix" else [i, t], dim=dim)
+
+    mask = local(local(full, 2), 3)  # this rank's queries and keys, as the model builds it locally
+    out = {}
+    for cls in (UlyssesAttnProcessor, KVGatherAttnProcessor):
+        state = SequenceState(group, extra={"joint_text": layout})
+        state.seq_len = S
+        proc = cls(Inner(), state)
+        out[cls.strategy] = compare(local(ref), proc._attend(local(q), local(k), local(v), attn_mask=mask))
+    return out
+
+
+def case_functional_padding_both_sides_bool_prefix():
+    return _functional_padding_both_sides("prefix", "bool")
+
+
+def case_functional_padding_both_sides_float_suffix():
+    return _functional_padding_both_sides("suffix", "float")
+
+
 def _joint_sequence_plan(text_side: str) -> dict:
     """A toy model that joins replicated text to its tokens inside its forward, as Lumina 2 does:
     ``embed`` (output split: sets S) and ``refine`` (output gathered) run on the tokens alone, then
@@ -318,7 +369,8 @@ def case_rng_drift_inner_pipelines():
 
 
 def case_error_query_dependent_mask():
-    """A [B, 1, Lq, Lk] mask reaching a wrapped processor raises on every rank, in both modes."""
+    """A [B, 1, Lq, Lk] mask that is not a padding mask over queries and keys (here causal) reaching a
+    wrapped processor raises on every rank, in both modes."""
     g = _gen()
     model = tm.tiny_flux_transformer()
     ids = torch.zeros(35, 3)
@@ -329,7 +381,7 @@ def case_error_query_dependent_mask():
             def call():
                 # Local joint length on this rank: 7 text tokens + this rank's image shard.
                 L = 7 + handle._models[0].state.shard_sizes()[handle.rank]
-                mask = torch.ones(2, 1, L, L, dtype=torch.bool)
+                mask = torch.ones(2, 1, L, L, dtype=torch.bool).tril()
                 with torch.no_grad():
                     model(hidden_states=torch.randn(2, 35, 4, generator=g), encoder_hidden_states=torch.randn(2, 7, 32),
                           pooled_projections=torch.randn(2, 32), timestep=torch.tensor([0.5, 0.5]), img_ids=ids,

@@ -35,6 +35,16 @@ def test_joint_attention_strategies_exact(results, case):
             assert_close(v[f"{mode} start/finish"], f"P={P} rank {rank} {case} {mode} start/finish")
 
 
+@pytest.mark.parametrize("case", ["bool_prefix", "float_suffix"])
+def test_padding_mask_over_queries_and_keys_exact(results, case):
+    """M[q, k] = m[q] and m[k] (CogView4's attention_mask, in its float form) runs exactly instead of
+    being refused as query-dependent."""
+    P, res = results
+    for rank, v in enumerate(values(res, f"functional_padding_both_sides_{case}")):
+        for mode in MODES:
+            assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
+
+
 @pytest.mark.parametrize("side", ["prefix", "suffix"])
 def test_joint_sequence_plan_entries_exact(results, side):
     """Text joined to the split sequence inside a model's forward (JointSequence plan entries): the
