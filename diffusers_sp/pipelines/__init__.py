@@ -145,6 +145,7 @@ def plan_without(plan: dict, drop: dict) -> dict:
 
 def _registry() -> tuple[FamilySpec, ...]:
     from .cogvideox import COGVIDEOX
+    from .cogview4 import COGVIEW4
     from .flux import FLUX
     from .hunyuan_video import HUNYUAN_VIDEO
     from .ltx import LTX
@@ -154,7 +155,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .sd3 import SD3
     from .wan import WAN
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, LUMINA2)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, LUMINA2, COGVIEW4)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
