@@ -147,6 +147,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .cogvideox import COGVIDEOX
     from .cogview4 import COGVIEW4
     from .flux import FLUX
+    from .hunyuan_image import HUNYUAN_IMAGE
     from .hunyuan_video import HUNYUAN_VIDEO
     from .ltx import LTX
     from .lumina2 import LUMINA2
@@ -155,7 +156,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .sd3 import SD3
     from .wan import WAN
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, LUMINA2, COGVIEW4)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, LUMINA2, COGVIEW4, HUNYUAN_IMAGE)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
