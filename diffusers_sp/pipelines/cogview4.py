@@ -1,8 +1,9 @@
 """CogView4 (text-to-image, and its Control variant) for sequence parallelism.
 
 Joint attention with the text first: ``CogView4AttnProcessor`` concatenates ``[text; image]`` and
-applies RoPE to the image part only. CogView4Pipeline pads prompts of a batch on the left to one
-length (a multiple of 16) and passes no mask: the padding tokens are attended, as in one process.
+applies RoPE to the image part only. CogView4Pipeline pads the prompts of a batch to one length
+(the tokenizer's padding, then pad tokens in front up to a multiple of 16) and passes no mask: the
+padding tokens are attended, as in one process.
 The transformer also takes ``attention_mask`` ``[B, T]`` (1 = text token, 0 = padding), from which
 the processor builds, over its local ``T + S_r`` tokens, ``(m mᵀ > 0).to(dtype)`` with
 ``m = [text mask; ones]``: an additive 1.0 on valid query-key pairs and 0.0 elsewhere (not a
