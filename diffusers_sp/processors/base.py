@@ -116,8 +116,10 @@ def symmetric_padding_vector(attn_mask: torch.Tensor | None, batch: int, heads: 
     """The padding vector ``m`` of a mask over queries and keys ``M[q, k] = m[q] and m[k]``, or ``None``.
 
     Padding applied to both sides of the attention (the padding queries' rows masked too) makes such
-    a mask: HunyuanVideo's token refiner builds the boolean form, CogView4's processor the float form
-    ``(m mᵀ > 0).to(dtype)``: an additive bias of 1.0 on valid query-key pairs and 0.0 elsewhere.
+    a mask; CogView4's processor (Diffusers 0.42) builds its float form ``(m mᵀ > 0).to(dtype)`` from
+    the transformer's ``attention_mask``: an additive bias of 1.0 on valid query-key pairs and 0.0
+    elsewhere. Each row is ``m`` (a valid query) or constant (a padding query), and ``M[q, q] = m[q]``
+    gives ``m`` back.
 
     Args:
         attn_mask: ``None`` or the ``attn_mask`` of an SDPA call over ``length`` local queries and keys.
