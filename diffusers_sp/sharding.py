@@ -8,7 +8,9 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
   split those forward arguments (or, with ``split_output=True``, those outputs) along ``split_dim``;
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
-Entries of a dict may also be :class:`SplitByDims`, :class:`SplitEach` (lists of tensors) or
+Besides Diffusers' specs, an entry may be a :class:`SplitEach` (a list of tensors), a
+:class:`SplitByDims` (several accepted layouts), a :class:`JointSequence` (text joined to the
+sequence inside the model's forward: only the sequence part is split or gathered) or a
 :class:`PrefixCount` / :class:`TailCount` (an int counting leading / last tokens).
 
 Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
@@ -114,6 +116,53 @@ class TailCount:
     keys may be scaled). Shards are contiguous and in rank order, so each shard is ``[its history tokens;
     its chunk tokens]``, either part possibly empty, and the cut falls where the block makes it. The
     argument must reach the module after the sequence was split in the same forward."""
+TEXT_SIDES = ("prefix", "suffix")
+
+
+@dataclass(frozen=True)
+class JointSequence:
+    """A plan entry for a tensor that joins replicated text entries to the split sequence along one
+    dimension, e.g. ``[B, T + S, C]`` hidden states that a model's forward concatenated itself:
+    ``spec`` (a ``ContextParallelInput`` to split, or a ``ContextParallelOutput`` to gather) applies to
+    the sequence part only; the text part stays whole on every rank, in place.
+
+    The text is the first (``text="prefix"``) or last (``"suffix"``) ``n - S`` entries along the
+    dimension, ``n`` being the tensor's extent there and ``S`` the sequence length set by this
+    forward's earlier splits (``S_r``, this rank's shard, for a gather). So such an entry must come
+    after a plain split in the forward; it raises otherwise. Why not read ``T`` elsewhere: the
+    per-forward sequence length is what every split is checked against already, while where the text
+    ends is known only inside the model (Lumina 2 passes ``[caption; image]`` to its joint blocks).
+    """
+
+    spec: object
+    text: str = "prefix"
+
+    def __post_init__(self):
+        if self.text not in TEXT_SIDES:
+            raise ValueError(f"JointSequence text must be one of {TEXT_SIDES}, got {self.text!r}")
+
+    @property
+    def expected_dims(self):
+        return self.spec.expected_dims
+
+    def parts(self, x: torch.Tensor, dim: int, seq_len: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(text, sequence)`` views of ``x`` along ``dim`` (``seq_len`` sequence entries)."""
+        n = x.shape[dim]
+        if n < seq_len:
+            raise SequenceParallelConfigError(
+                f"{what} of shape {list(x.shape)} has {n} entries along dim {dim}, fewer than the {seq_len} "
+                f"sequence tokens it should hold after its text: the sharding plan does not match the model's "
+                f"forward (open an issue with the model class).")
+        text_len = n - seq_len
+        if self.text == "prefix":
+            return x.narrow(dim, 0, text_len), x.narrow(dim, text_len, seq_len)
+        return x.narrow(dim, seq_len, text_len), x.narrow(dim, 0, seq_len)
+
+    def join(self, text: torch.Tensor, sequence: torch.Tensor, dim: int) -> torch.Tensor:
+        """Inverse of :meth:`parts` (with the sequence part split or gathered in between)."""
+        if text.shape[dim] == 0:
+            return sequence
+        return torch.cat([text, sequence] if self.text == "prefix" else [sequence, text], dim=dim)
 
 
 @dataclass
@@ -241,6 +290,8 @@ class SequenceSplitHook(ModelHook):
             return self._prefix_count(value, what)
         if isinstance(spec, TailCount):
             return self._tail_count(value, what)
+        if isinstance(spec, JointSequence):
+            return self._split_joint(value, spec, what)
         if isinstance(spec, SplitEach):
             if not isinstance(value, (list, tuple)):
                 return value
@@ -289,6 +340,19 @@ class SequenceSplitHook(ModelHook):
                 f"inputs disagree on the sequence length: {what} is {count}, a count of the last tokens of the "
                 f"{state.seq_len} of {source} of shape {list(shape)} (dim {dim}).")
         return state.shard_sizes()[state.group.rank] - self._prefix_count(state.seq_len - count, what)
+
+    def _split_joint(self, value, spec: JointSequence, what: str):
+        """Splits the sequence part of a :class:`JointSequence` tensor; its text part stays whole."""
+        inner = spec.spec
+        if not torch.is_tensor(value) or (inner.expected_dims is not None and value.ndim != inner.expected_dims):
+            return value
+        if self.state.seq_len is None:
+            raise SequenceParallelConfigError(
+                f"{what} joins text to the sequence, but no split of this forward has set the sequence length "
+                f"yet: the sharding plan does not match the model's forward (open an issue with the model class).")
+        dim = inner.split_dim % value.ndim
+        text, sequence = spec.parts(value, dim, self.state.seq_len, what)
+        return spec.join(text, self._split(sequence, inner, what), dim)
 
     def post_forward(self, module, output):
         out_specs = {k: v for k, v in self.entries.items() if isinstance(k, int)}
@@ -348,10 +412,15 @@ class SequenceGatherHook(ModelHook):
         for i, spec in enumerate(self.specs):
             if spec is None or (spec.expected_dims is not None and items[i].ndim != spec.expected_dims):
                 continue
-            full = all_gather_along(items[i], spec.gather_dim, self.state.shard_sizes(), self.state.group)
+            joint, spec = (spec, spec.spec) if isinstance(spec, JointSequence) else (None, spec)
+            sizes = self.state.shard_sizes()
+            dim = spec.gather_dim % items[i].ndim
+            text, local = (None, items[i]) if joint is None else joint.parts(
+                items[i], dim, sizes[self.state.group.rank], f"output {i} of {type(module).__name__}")
+            full = all_gather_along(local, dim, sizes, self.state.group)
             if self.state.order is not None:
-                full = full.index_select(spec.gather_dim % full.ndim, self.state.order.inverse.to(full.device))
-            items[i] = full
+                full = full.index_select(dim, self.state.order.inverse.to(full.device))
+            items[i] = full if joint is None else joint.join(text, full, dim)
         return items[0] if single else type(output)(items)
 
 
@@ -365,20 +434,31 @@ def _submodules(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
 
 
 def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState,
-               refuse: dict | None = None) -> list[tuple[torch.nn.Module, str]]:
-    """Registers split/gather hooks for ``plan`` on ``model``'s submodules, and a
-    :class:`SequenceForwardHook` on ``model`` (outermost of these, so it runs first) that refuses the
-    forward arguments named in ``refuse`` (``{name: why}``).
+               refuse: dict | None = None, hooks: dict | None = None) -> list[tuple[torch.nn.Module, str]]:
+    """Registers split/gather hooks for ``plan`` on ``model``'s submodules, then the family's own
+    ``hooks``, and a :class:`SequenceForwardHook` on ``model`` (outermost of these, so it runs first)
+    that refuses the forward arguments named in ``refuse`` (``{name: why}``).
+
+    Args:
+        hooks: ``{submodule name (``"layers.*"`` for every child): () -> ModelHook}``: rewrites that a
+            plan cannot express (:attr:`diffusers_sp.pipelines.FamilySpec.forward_hooks`). Registered
+            after the plan's hooks on the same module, so their ``pre_forward`` runs before the plan's
+            splits and their ``post_forward`` after the plan's splits and gathers.
 
     Returns:
         ``(module, hook name)`` pairs, for :func:`remove_hooks`.
 
     Raises:
-        SequenceParallelConfigError: a plan entry names a submodule the model does not have.
+        SequenceParallelConfigError: a plan entry or hook names a submodule the model does not have.
     """
     installed = []
     try:
         _register_plan(model, plan, state, installed)
+        for name, make in (hooks or {}).items():
+            hook_name = f"{HOOK_PREFIX}_family:{name}"
+            for module in _submodules_of(model, name, "a family hook"):
+                HookRegistry.check_if_exists_or_initialize(module).register_hook(make(), hook_name)
+                installed.append((module, hook_name))
         hook_name = f"{HOOK_PREFIX}_forward"
         HookRegistry.check_if_exists_or_initialize(model).register_hook(SequenceForwardHook(state, refuse), hook_name)
         installed.append((model, hook_name))
@@ -388,19 +468,22 @@ def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState,
     return installed
 
 
+def _submodules_of(model, name: str, what: str) -> list[torch.nn.Module]:
+    try:
+        return _submodules(model, name)
+    except AttributeError as exc:
+        raise SequenceParallelConfigError(
+            f"{type(model).__name__}: {what} names submodule {name!r}, which the model lacks.") from exc
+
+
 def _register_plan(model, plan, state, installed: list) -> None:
     for name, entry in plan.items():
-        try:
-            modules = _submodules(model, name)
-        except AttributeError as exc:
-            raise SequenceParallelConfigError(
-                f"{type(model).__name__}: sharding plan names submodule {name!r}, which the model lacks."
-            ) from exc
+        modules = _submodules_of(model, name, "sharding plan")
         if isinstance(entry, dict):
             hook_name = f"{HOOK_PREFIX}_split:{name}"
             make = lambda: SequenceSplitHook(entry, state)  # noqa: E731
         else:
-            specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
+            specs = [entry] if isinstance(entry, (ContextParallelOutput, JointSequence)) else list(entry)
             hook_name = f"{HOOK_PREFIX}_gather:{name}"
             make = lambda: SequenceGatherHook(specs, state)  # noqa: E731
         for module in modules:

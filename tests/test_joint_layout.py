@@ -8,7 +8,7 @@ import torch
 from diffusers_sp import SequenceParallelConfigError, enable_sequence_parallel
 from diffusers_sp.pipelines import FAMILIES, family_for_model, plan_without, supported_models
 from diffusers_sp.processors.base import (is_image_identity_mask, join_text_image, normalize_key_padding_mask,
-                                          split_text_image)
+                                          split_text_image, symmetric_padding_vector)
 from diffusers_sp.traits import ModelTraits, PipelineTraits
 from diffusers_sp.validation import choose_auto_mode, validate_mode
 
@@ -61,6 +61,21 @@ def test_image_identity_mask():
     other[..., 6, 0] = -1.0  # neither open nor closed
     assert not is_image_identity_mask(other, 3, "suffix")
     assert is_image_identity_mask(_pag_mask(4, 0), 0, None)
+
+
+def test_padding_mask_over_queries_and_keys_is_recognized():
+    """M[q, k] = m[q] and m[k] gives m back as a key padding mask (boolean, and the float 0/1 form
+    CogView4 builds); masks of any other form give None (and stay refused as query-dependent)."""
+    m = torch.tensor([[True, True, False, True], [True, False, True, True]])
+    both = (m[:, :, None] & m[:, None, :])[:, None]
+    assert torch.equal(symmetric_padding_vector(both, 2, 3, 4), m[:, None, None, :])
+    f = m.float()
+    cogview4 = ((f[:, :, None] @ f[:, None, :]) > 0)[:, None].to(torch.float32)
+    assert torch.equal(symmetric_padding_vector(cogview4, 2, 3, 4), f[:, None, None, :])
+    assert symmetric_padding_vector(torch.ones(4, 4, dtype=torch.bool).tril(), 2, 3, 4) is None  # causal
+    assert symmetric_padding_vector(cogview4 * 2.0, 2, 3, 4) is None  # a bias of 2: not a padding vector
+    assert symmetric_padding_vector(both[..., :3], 2, 3, 4) is None  # not square over the call's tokens
+    assert symmetric_padding_vector(m[:, None, None, :], 2, 3, 4) is None  # a key padding mask already
 
 
 def test_plans_keep_text_replicated():

@@ -60,6 +60,11 @@ class FamilySpec:
         unsupported_inputs: ``{forward argument: what it is}``: arguments the family's plan does not
             split; a forward passing one that is not ``None`` raises SequenceParallelConfigError on
             every rank, before any collective.
+        forward_hooks: ``None`` or ``(model, state) -> {submodule name: () -> ModelHook}``: the family's
+            own hooks, for a rewrite that a plan cannot express (Lumina 2 turns its per-sample padded
+            ``[caption; image; padding]`` sequence into one caption prefix for the whole batch); they
+            may keep per-forward values in ``state.extra`` (:class:`~diffusers_sp.sharding.SequenceState`).
+            Registered after the plan's hooks (see :func:`~diffusers_sp.sharding.apply_plan`).
         attention_call: How the processors' attention calls are found: ``"sdpa"`` (every
             ``F.scaled_dot_product_attention`` call inside a wrapped processor is the self-attention)
             or ``"dispatch"`` (the calls the model's processor marks for context parallelism through
@@ -91,6 +96,7 @@ class FamilySpec:
     latent_grid: Callable | None = None
     self_attention_kv_first: Callable | None = None
     unsupported_inputs: dict = field(default_factory=dict)
+    forward_hooks: Callable | None = None
     attention_call: str = "sdpa"
     cfg_strategy: str | None = None
     cfg_by_default: bool = True
@@ -152,18 +158,22 @@ def plan_without(plan: dict, drop: dict) -> dict:
 
 def _registry() -> tuple[FamilySpec, ...]:
     from .cogvideox import COGVIDEOX
+    from .cogview4 import COGVIEW4
     from .flux import FLUX
     from .flux2 import FLUX2
     from .helios import HELIOS
+    from .hunyuan_image import HUNYUAN_IMAGE
     from .hunyuan_video import HUNYUAN_VIDEO
     from .ltx import LTX
     from .ltx2 import LTX2
+    from .lumina2 import LUMINA2
     from .mochi import MOCHI
     from .qwenimage import QWENIMAGE
     from .sd3 import SD3
     from .wan import WAN
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
+            HUNYUAN_IMAGE)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
