@@ -504,7 +504,6 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     if getattr(target, _HANDLE_ATTR, None) is not None or any(getattr(m, _HANDLE_ATTR, None) for _, m in models):
         raise SequenceParallelConfigError(
             f"{traits.name}: sequence parallelism is already enabled; call disable_sequence_parallel() first.")
-    from . import cfg_parallel as _cfg
     from .replicas import resolve_layout
 
     pag = _perturbed_guidance(target)
