@@ -118,6 +118,96 @@ def case_functional_no_text():
     return _functional(0, None, None, heads=4)
 
 
+# ------------------------------------------------------------------ functional full-sequence masks
+
+
+class _ModelProcessor:
+    """Stands in for a model's attention processor: the wrappers read only its class and signature."""
+
+    def __call__(self, attn, hidden_states):
+        raise NotImplementedError
+
+
+def _full_mask(kind: str, B: int, heads: int, text_len: int, layout, S: int):
+    """A mask over the whole joint sequence (``L = text_len + S``), as a model makes it before its split.
+
+    ``block_causal``: SkyReels-V2's diffusion-forcing mask, ``[1, 1, L, L]`` bool, frames of 7 tokens in
+    causal blocks of 2 frames (a query attends its own block and the earlier ones; text rows and columns
+    attend everything). ``outer_float``: Chroma's, ``[B, 1, L, L]`` float, the outer product of a 0/1
+    token mask (sample 0 with 2 padded text tokens) added to the scores as it is. ``per_head``: a
+    random ``[B, H, L, L]`` bool mask (the diagonal kept). ``key_padding``: ``[B, 1, 1, L]`` bool over
+    the full sequence.
+    """
+    L = text_len + S
+    image = slice(text_len, L) if layout == "prefix" else slice(0, S)
+    text = slice(0, text_len) if layout == "prefix" else slice(S, L)
+    if kind == "block_causal":
+        block = torch.arange(S) // 7 // 2
+        mask = torch.ones(L, L, dtype=torch.bool)
+        mask[image, image] = block[None, :] <= block[:, None]
+        return mask[None, None]
+    if kind == "outer_float":
+        tokens = torch.ones(B, L)
+        tokens[0, torch.arange(L)[text][max(text_len - 2, 0):]] = 0.0
+        return tokens[:, None, None, :] * tokens[:, None, :, None]
+    if kind == "per_head":
+        mask = torch.rand(B, heads, L, L, generator=_gen(3)) < 0.7
+        return mask | torch.eye(L, dtype=torch.bool)
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    keep[0, ..., torch.arange(L)[text][max(text_len - 2, 0):]] = False
+    return keep
+
+
+def _functional_full_mask(text_len, layout, kind, heads=5):
+    """A mask over the full sequence reaching the processors' attention call on raw tensors, in both
+    dense modes: K/V-gather takes its queries' rows, Ulysses the whole mask; nothing is exchanged."""
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors import PROCESSORS
+    from diffusers_sp.processors.base import split_text_image
+    from diffusers_sp.sharding import SequenceState, shard
+
+    group = resolve_group()
+    g = _gen(11)
+    B, S, D = 2, 35, 8
+    L = S + text_len
+    q, k, v = (torch.randn(B, heads, L, D, generator=g) for _ in range(3))
+    mask = _full_mask(kind, B, heads, text_len, layout, S)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def local(x, dim=2):
+        t, i = split_text_image(x, text_len, layout, dim=dim)
+        i = shard(i, dim, group.rank, group.world_size)
+        return torch.cat([t, i] if layout == "prefix" else [i, t], dim=dim)
+
+    state = SequenceState(group, extra={"joint_text": layout})
+    state.seq_len = S
+    out = {}
+    for mode in MODES:
+        processor = PROCESSORS[mode](_ModelProcessor(), state)
+        out[mode] = compare(local(ref), processor._attend(local(q), local(k), local(v), attn_mask=mask))
+    return out
+
+
+def case_functional_full_block_causal_mask_no_text():
+    return _functional_full_mask(0, None, "block_causal")
+
+
+def case_functional_full_block_causal_mask_prefix():
+    return _functional_full_mask(6, "prefix", "block_causal")
+
+
+def case_functional_full_outer_float_mask_prefix():
+    return _functional_full_mask(6, "prefix", "outer_float", heads=3)
+
+
+def case_functional_full_per_head_mask_suffix():
+    return _functional_full_mask(4, "suffix", "per_head")
+
+
+def case_functional_full_key_padding_mask_suffix():
+    return _functional_full_mask(5, "suffix", "key_padding")
+
+
 # ------------------------------------------------------------------ every family's forwards and pipelines
 # (the tiny configs of tests/families/; one case per forward and per pipeline, defined below)
 

@@ -35,6 +35,16 @@ def test_joint_attention_strategies_exact(results, case):
             assert_close(v[f"{mode} start/finish"], f"P={P} rank {rank} {case} {mode} start/finish")
 
 
+@pytest.mark.parametrize("case", ["block_causal_mask_no_text", "block_causal_mask_prefix", "outer_float_mask_prefix",
+                                  "per_head_mask_suffix", "key_padding_mask_suffix"])
+def test_full_sequence_masks_exact(results, case):
+    """Masks a model builds over the full sequence before its split (query-dependent ones included)."""
+    P, res = results
+    for rank, v in enumerate(values(res, f"functional_full_{case}")):
+        for mode in MODES:
+            assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
+
+
 @pytest.mark.parametrize("case", FORWARDS)
 def test_transformer_forward_equals_one_process(results, case):
     P, res = results

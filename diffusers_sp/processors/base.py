@@ -14,12 +14,23 @@ every rank) and this rank's ``S_r`` image tokens, text first (``"prefix"``) or l
 as the family declares (``SequenceState.extra["joint_text"]``). ``T`` is read from each call as
 ``L - S_r`` (so Mochi's per-sample calls with a different number of valid text tokens work).
 
-Masks. A *key padding mask* (one value per batch element and key token, the same for every query,
-boolean True = attend or additive float; shape broadcastable to ``[B, H, 1, L]``) is supported:
-its text part is replicated, its image part is all-gathered with the same uneven sizes as the keys,
-and the strategies receive the mask over the full key sequence in the model's order. A mask that
-varies along the query dimension would need the mask entries between this rank's queries and the
-other ranks' keys, which no rank has: it raises :class:`SequenceParallelConfigError`.
+Masks (boolean True = attend, or additive float, exactly as SDPA applies them). Two kinds are told
+apart by their key length, which differs at every world size above 1 (``T + S_r < T + S``):
+
+* a *local key padding mask* over this call's ``T + S_r`` keys (one value per batch element and key
+  token, the same for every query; broadcastable to ``[B, H, 1, T + S_r]``): its text part is
+  replicated, its image part is all-gathered with the same uneven sizes as the keys;
+* a *full-sequence mask* that the model built before its tokens were split, over all ``T + S`` keys:
+  ``[B or 1, H or 1, 1 or T + S, T + S]`` (a key padding mask, or a query-dependent one such as
+  SkyReels-V2's block-causal frame mask or Chroma's outer product of its text mask). Nothing is
+  exchanged: K/V-gather, whose queries stay local, takes the rows of this rank's queries (the text
+  rows and this rank's image rows, in the call's order), Ulysses, which attends every query of its
+  heads, takes it whole (:func:`full_sequence_mask`, :func:`query_rows`).
+
+The strategies then receive the mask over the full key sequence in the model's order. A mask that
+varies along the query dimension but covers only this call's tokens would need the entries between
+this rank's queries and the other ranks' keys, which no rank has: it raises
+:class:`SequenceParallelConfigError`.
 """
 
 from __future__ import annotations
@@ -98,11 +109,68 @@ def normalize_key_padding_mask(attn_mask: torch.Tensor | None, batch: int, heads
             f"{length} local tokens (expected [B, 1 or H, 1, {length}]).")
     if m.shape[2] != 1:
         raise SequenceParallelConfigError(
-            f"{where}: the attention mask depends on the query position (shape [B, H, Lq, Lk] with Lq > 1). "
-            f"Under sequence parallelism each rank holds only its own keys' columns of such a mask, so it "
-            f"cannot be applied exactly; only key padding masks ([B, 1, 1, L], one value per key token) "
-            f"are supported (modes 'ulysses' and 'kv_gather' alike).")
+            f"{where}: the attention mask depends on the query position (shape [B, H, Lq, Lk] with Lq > 1) "
+            f"and covers only this rank's {length} tokens. Under sequence parallelism such a mask lacks the "
+            f"entries between this rank's queries and the other ranks' keys, so it cannot be applied exactly; "
+            f"supported are key padding masks ([B, 1, 1, L], one value per key token) and masks the model "
+            f"builds over the full sequence before it is split ([B, H, L_full, L_full]) (modes 'ulysses' and "
+            f"'kv_gather' alike).")
     return m
+
+
+def full_sequence_mask(attn_mask: torch.Tensor, batch: int, heads: int, full_length: int,
+                       where: str) -> torch.Tensor:
+    """Checks a mask over the full joint sequence and returns it as a 4-D tensor.
+
+    Args:
+        attn_mask: The ``attn_mask`` of an SDPA call whose last dim is ``full_length = T + S`` (every
+            text and image token, in the model's order): a mask the model made before the split
+            hooks cut its tokens. Boolean (True = attend) or additive float, broadcastable to
+            ``[batch, heads, full_length, full_length]``.
+        batch, heads: Shape of the call.
+        full_length: ``T + S``.
+        where: Processor name for error messages.
+
+    Returns:
+        ``[B or 1, H or 1, 1 or full_length, full_length]`` (a view, same dtype).
+
+    Raises:
+        SequenceParallelConfigError: a query dimension that is neither 1 nor ``full_length``, or a
+            batch or head dimension that does not broadcast to the call's.
+    """
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if (m.dim() != 4 or m.shape[-1] != full_length or m.shape[2] not in (1, full_length)
+            or m.shape[0] not in (1, batch) or m.shape[1] not in (1, heads)):
+        raise SequenceParallelConfigError(
+            f"{where}: attention mask of shape {tuple(attn_mask.shape)} covers the {full_length} keys of the full "
+            f"sequence but not as [B or 1, H or 1, 1 or {full_length}, {full_length}], so the rows of this rank's "
+            f"queries cannot be found in it.")
+    return m
+
+
+def query_rows(mask: torch.Tensor, text_len: int, text_layout: str | None, sizes: list[int], rank: int) -> torch.Tensor:
+    """The rows of a full-sequence mask for the queries of one rank's attention call.
+
+    Args:
+        mask: ``[B or 1, H or 1, 1 or T + S, T + S]`` (:func:`full_sequence_mask`), rows and columns
+            in the model's order (text first for ``"prefix"``, last for ``"suffix"``, then the image
+            tokens in rank order).
+        text_len, text_layout: The joint layout (T text tokens, replicated on every rank).
+        sizes: Image tokens per rank.
+        rank: The rank whose queries are wanted.
+
+    Returns:
+        ``mask`` itself when it has one row (a key padding mask); else ``[B or 1, H or 1, T + S_r, T + S]``:
+        the T text rows and the rows of ``rank``'s image shard, in the order of the call's queries (a
+        view without text, one copy with it).
+    """
+    if mask.shape[2] == 1:
+        return mask
+    text, image = split_text_image(mask, text_len, text_layout, dim=2)
+    mine = image.narrow(2, sum(sizes[:rank]), sizes[rank])
+    return join_text_image(text, mine, text_layout, dim=2)
 
 
 def gather_key_padding_mask(mask: torch.Tensor | None, text_len: int, text_layout: str | None, sizes: list[int],
@@ -290,6 +358,9 @@ class SequenceParallelAttnProcessor:
 
     strategy = "base"
     supports_kv_first = False
+    #: Whether :meth:`parallel_attention` attends the queries of every rank (Ulysses: all tokens of its
+    #: heads) rather than this rank's own (K/V-gather): which rows of a full-sequence mask it receives.
+    attends_all_queries = False
     _inner_cls = None
 
     def __new__(cls, inner, *args, **kwargs):
@@ -410,9 +481,17 @@ class SequenceParallelAttnProcessor:
         layout = self.state.extra.get("joint_text")
         length = query.shape[2]
         text_len = self._text_len(name, length, key.shape[2], sizes)
-        mask = normalize_key_padding_mask(attn_mask, query.shape[0], query.shape[1], length, name)
         self.state.group.check_device(query.device)
-        mask = gather_key_padding_mask(mask, text_len, layout, sizes, self.state.group)
+        full_length = text_len + sum(sizes)
+        if attn_mask is not None and attn_mask.shape[-1] == full_length:
+            # Made by the model over the full sequence before its tokens were split (the key lengths of
+            # the two kinds differ at every world size above 1): complete already, nothing to exchange.
+            mask = full_sequence_mask(attn_mask, query.shape[0], query.shape[1], full_length, name)
+            if not self.attends_all_queries:
+                mask = query_rows(mask, text_len, layout, sizes, self.state.group.rank)
+        else:
+            mask = normalize_key_padding_mask(attn_mask, query.shape[0], query.shape[1], length, name)
+            mask = gather_key_padding_mask(mask, text_len, layout, sizes, self.state.group)
         return self.parallel_attention(query, key, value, sizes, scale=scale, text_len=text_len,
                                        text_layout=layout, key_mask=mask)
 
@@ -428,8 +507,11 @@ class SequenceParallelAttnProcessor:
             scale: Softmax scale, ``None`` for ``1/sqrt(D)``.
             text_len: Text tokens T in the joint sequence (0: image tokens only).
             text_layout: ``"prefix"``, ``"suffix"``, or ``None`` when ``text_len == 0``.
-            key_mask: ``None`` or a key padding mask ``[B or 1, H or 1, 1, text_len + sum(sizes)]``
-                over the full key sequence in the same order (bool True = attend, or additive float).
+            key_mask: ``None`` or a mask ``[B or 1, H or 1, Lq, text_len + sum(sizes)]`` over the full
+                key sequence in the same order (bool True = attend, or additive float): ``Lq = 1`` (a
+                key padding mask), or the rows of the queries the strategy attends: this rank's
+                ``text_len + sizes[rank]`` when :attr:`attends_all_queries` is False, all
+                ``text_len + sum(sizes)`` (in the model's order) when it is True.
 
         Returns:
             ``[B, H, text_len + sizes[rank], D]``: attention output of this rank's query rows; the
