@@ -33,17 +33,30 @@ def _ragged_mask(lengths, total):
 
 
 def _forward_all_modes(model, kwargs, modes=MODES) -> dict:
+    """Results under :func:`families.result_keys` of ``modes``: dense modes against one process, VSA
+    under each ``vsa_sp_mode`` against VSA on a one-rank group."""
     with torch.no_grad():
         ref = model(**kwargs).sample
         results = {}
-        for mode in modes:
-            handle = enable_sequence_parallel(model, mode=mode)
+        for key in families.result_keys(modes):
+            mode, _, sp_mode = key.partition("/")
+            opts = dict(vsa_sp_mode=sp_mode) if sp_mode else {}
+            want = ref
+            if sp_mode:
+                from cases_vsa import _solo_group
+
+                handle = enable_sequence_parallel(model, mode=mode, process_group=_solo_group(), **opts)
+                try:
+                    want = model(**kwargs).sample
+                finally:
+                    handle.disable()
+            handle = enable_sequence_parallel(model, mode=mode, **opts)
             try:
-                results[mode] = compare(ref, model(**kwargs).sample)
-                results[mode]["resolved"] = handle.mode
+                results[key] = compare(want, model(**kwargs).sample)
+                results[key]["resolved"] = handle.mode
                 # Proof that the forward really ran split: the image length the hooks saw, the wrapped modules.
-                results[mode]["seq_len"] = handle._models[0].state.seq_len
-                results[mode]["wrapped"] = len(handle._models[0].processors)
+                results[key]["seq_len"] = handle._models[0].state.seq_len
+                results[key]["wrapped"] = len(handle._models[0].processors)
             finally:
                 handle.disable()
         results["restored_bitwise"] = torch.equal(model(**kwargs).sample, ref)
@@ -214,7 +227,7 @@ def case_functional_full_key_padding_mask_suffix():
 
 def _forward_case(name: str) -> dict:
     model, kwargs = families.forward_cases()[name]()
-    return _forward_all_modes(model, kwargs)
+    return _forward_all_modes(model, kwargs, families.forward_specs()[name].modes)
 
 
 _PIPES: dict = {}
