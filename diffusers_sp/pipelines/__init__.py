@@ -145,9 +145,10 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .mochi import MOCHI
     from .qwenimage import QWENIMAGE
     from .sd3 import SD3
+    from .skyreels_v2 import SKYREELS_V2
     from .wan import WAN
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, SKYREELS_V2)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
