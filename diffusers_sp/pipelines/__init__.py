@@ -138,6 +138,7 @@ def plan_without(plan: dict, drop: dict) -> dict:
 
 
 def _registry() -> tuple[FamilySpec, ...]:
+    from .chroma import CHROMA
     from .cogvideox import COGVIDEOX
     from .flux import FLUX
     from .hunyuan_video import HUNYUAN_VIDEO
@@ -148,7 +149,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .skyreels_v2 import SKYREELS_V2
     from .wan import WAN
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, SKYREELS_V2)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, SKYREELS_V2, CHROMA)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
