@@ -6,6 +6,8 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
 
 * a dict ``{argument name or output index: ContextParallelInput(split_dim, expected_dims, split_output)}``:
   split those forward arguments (or, with ``split_output=True``, those outputs) along ``split_dim``;
+  an argument may instead be gathered back to the full sequence (:class:`GatherInput`), for a
+  submodule that needs every token;
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
 Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
@@ -87,6 +89,27 @@ class SplitEach:
     spec: object
 
 
+@dataclass(frozen=True)
+class GatherInput:
+    """A plan entry for an argument, already split along the sequence, that a submodule needs whole:
+    this rank's shard is all-gathered to the full sequence (in the model's token order, a
+    :class:`TokenOrder` undone) before the submodule runs, on every rank. The submodule's output is
+    then split again by an output entry of the same dict (``ContextParallelInput(split_output=True)``).
+
+    For a submodule that mixes tokens in a way the attention processors do not cover, e.g. Wan
+    Animate's face adapter, which groups its queries by frame (``[B, S, ...] -> [B * F, S / F, ...]``),
+    so that a shard cut inside a frame cannot run it. It costs one all-gather of the argument and the
+    submodule's work on every token on every rank.
+
+    Attributes:
+        gather_dim: The sequence dimension.
+        expected_dims: The argument's number of dims; another passes as it is (as in Diffusers' plans).
+    """
+
+    gather_dim: int
+    expected_dims: int | None = None
+
+
 @dataclass
 class SequenceState:
     """Per-model state shared by the sharding hooks and the attention processors.
@@ -132,7 +155,8 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
 
 
 class SequenceSplitHook(ModelHook):
-    """Splits named forward arguments (or outputs, ``split_output=True``) into this rank's shard."""
+    """Splits named forward arguments (or outputs, ``split_output=True``) into this rank's shard, or gathers
+    arguments (:class:`GatherInput`) back to the full sequence."""
 
     def __init__(self, entries: dict, state: SequenceState):
         super().__init__()
@@ -194,7 +218,24 @@ class SequenceSplitHook(ModelHook):
                 args[i] = self._split_value(args[i], spec, what)
         return tuple(args), kwargs
 
+    def _gather(self, x, spec: GatherInput, what: str):
+        if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
+            return x
+        sizes = self.state.shard_sizes()
+        group = self.state.group
+        if x.shape[spec.gather_dim] != sizes[group.rank]:
+            raise SequenceParallelConfigError(
+                f"{what} of shape {list(x.shape)} was to be gathered along dim {spec.gather_dim} from this rank's "
+                f"shard of {sizes[group.rank]} tokens (sequence of {sum(sizes)} over {group.world_size} ranks): the "
+                f"sharding plan does not match the model's forward.")
+        full = all_gather_along(x, spec.gather_dim, sizes, group)
+        if self.state.order is not None:
+            full = full.index_select(spec.gather_dim % full.ndim, self.state.order.inverse.to(full.device))
+        return full
+
     def _split_value(self, value, spec, what: str = "a tensor"):
+        if isinstance(spec, GatherInput):
+            return self._gather(value, spec, what)
         if isinstance(spec, SplitEach):
             if not isinstance(value, (list, tuple)):
                 return value

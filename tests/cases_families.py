@@ -221,6 +221,63 @@ def case_functional_full_key_padding_mask_suffix():
     return _functional_full_mask(5, "suffix", "key_padding")
 
 
+# ------------------------------------------------------------------ functional: a submodule that needs every token
+
+
+class _FrameCentering(torch.nn.Module):
+    """Groups the tokens by frame, as Wan Animate's face adapter does (``[B, S, C] -> [B, F, S / F, C]``):
+    a shard cut inside a frame cannot run it."""
+
+    def forward(self, hidden_states, frames: int):
+        x = hidden_states.unflatten(1, (frames, -1))
+        return (x - x.mean(2, keepdim=True)).flatten(1, 2)
+
+
+class _FrameModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj_in, self.frames, self.proj_out = torch.nn.Linear(4, 4), _FrameCentering(), torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states, frames: int):
+        x = self.proj_in(hidden_states)
+        return self.proj_out(x + self.frames(x, frames))
+
+
+def case_functional_gather_input():
+    """A plan that splits the tokens at the input, gathers them whole for a submodule that groups them
+    by frame (GatherInput), splits its output again and gathers the model's output: equal to one
+    process, in the tokens' order and in a permuted order (as VSA's tile order permutes them)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.sharding import GatherInput, SequenceState, TokenOrder, apply_plan, balanced_sizes, remove_hooks
+
+    group = resolve_group()
+    split = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    plan = {"": {"hidden_states": split},
+            "frames": {"hidden_states": GatherInput(gather_dim=1, expected_dims=3),
+                       0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+    model = _FrameModel()
+    x = torch.randn(2, 35, 4, generator=_gen(5))  # 5 frames of 7 tokens
+    with torch.no_grad():
+        ref = model(x, 5)
+        out = {}
+        perm = torch.randperm(35, generator=_gen(6))
+        orders = {"token order": None, "permuted": TokenOrder(perm, torch.argsort(perm),
+                                                              tuple(balanced_sizes(35, group.world_size)))}
+        for name, order in orders.items():
+            state = SequenceState(group)
+            hooks = apply_plan(model, plan, state)
+            try:
+                state.order = order
+                out[name] = compare(ref, model(x, 5))
+            finally:
+                remove_hooks(hooks)
+    return out
+
+
 # ------------------------------------------------------------------ every family's forwards and pipelines
 # (the tiny configs of tests/families/; one case per forward and per pipeline, defined below)
 

@@ -46,6 +46,13 @@ def test_full_sequence_masks_exact(results, case):
             assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
 
 
+def test_gather_input_for_a_submodule_that_needs_every_token(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "functional_gather_input")):
+        for order in ("token order", "permuted"):
+            assert_close(v[order], f"P={P} rank {rank} {order}")
+
+
 @pytest.mark.parametrize("case", FORWARDS)
 def test_transformer_forward_equals_one_process(results, case):
     """Dense modes equal one process; VSA (where a case asks for it) equals VSA on one rank."""
