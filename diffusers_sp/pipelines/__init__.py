@@ -148,9 +148,11 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .sd3 import SD3
     from .skyreels_v2 import SKYREELS_V2
     from .wan import WAN
+    from .wan_animate import WAN_ANIMATE
     from .wan_vace import WAN_VACE
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, SKYREELS_V2, CHROMA, WAN_VACE)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, SKYREELS_V2, CHROMA, WAN_VACE,
+            WAN_ANIMATE)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
