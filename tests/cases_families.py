@@ -420,6 +420,18 @@ def case_error_query_dependent_mask():
     return out
 
 
+def case_error_vsa_with_block_causal_mask():
+    """VSA on SkyReels-V2 diffusion forcing with causal blocks: its block-causal frame mask cannot
+    follow VSA's tiles, so the call is refused on every rank, naming the dense modes (which run it)."""
+    model, kwargs = families.forward_cases()["skyreels_v2_diffusion_forcing"]()
+    handle = enable_sequence_parallel(model, mode="vsa")
+    try:
+        with torch.no_grad():
+            return error_of(lambda: model(**kwargs))
+    finally:
+        handle.disable()
+
+
 def case_error_hunyuan_token_replace():
     model = tm.tiny_hunyuan_video_transformer(image_condition_type="token_replace", in_channels=4)
     return error_of(lambda: enable_sequence_parallel(model, mode="kv_gather"))

@@ -100,6 +100,14 @@ def test_query_dependent_mask_raises_on_every_rank(results):
         assert "depends on the query position" in msg and "key padding" in msg, msg
 
 
+def test_vsa_refuses_a_query_dependent_mask_on_every_rank(results):
+    P, res = results
+    msgs = values(res, "error_vsa_with_block_causal_mask")
+    assert len(set(msgs)) == 1, msgs
+    assert "VSA supports video self-attention without text tokens or masks" in msgs[0], msgs[0]
+    assert "an attention mask" in msgs[0] and "'kv_gather'" in msgs[0], msgs[0]
+
+
 def test_token_replace_rejected(results):
     P, res = results
     msgs = values(res, "error_hunyuan_token_replace")

@@ -211,8 +211,8 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
             what = "text tokens in its self-attention" if text_len else "an attention mask"
             raise SequenceParallelConfigError(
                 f"{type(self.inner).__name__}: VSA supports video self-attention without text tokens or masks, and "
-                f"this call has {what} (e.g. SkyReels-V2's block-causal frame mask, causal_block_size > 1). "
-                f"Modes that would work: 'ulysses', 'kv_gather', 'auto' (dense attention).")
+                f"this call has {what}, which VSA's tile selection cannot follow. Modes that would work: "
+                f"'ulysses', 'kv_gather', 'auto' (dense attention).")
         plan: TilePlan = self.state.extra["vsa"]
         layout, group = plan.layout, self.state.group
         V, N = layout.tile_volume, layout.num_tiles
