@@ -67,8 +67,11 @@ FORWARDS = {
 # ------------------------------------------------------------------ tiny pipelines
 # The tiny Wan VAE compresses 8x in space and 4x in time; patches are 2 x 2: 80 x 112 pixels give
 # 5 x 7 patches per frame. Diffusion forcing runs 97 frames (25 latent frames) of 16 x 80 pixels
-# (1 x 5 patches) in causal blocks of 5 frames, asynchronously (ar_step=1: the frames of a block run
-# ahead of the next block's, so one call's frames have different timesteps).
+# (1 x 5 patches), synchronously (2 iterations) unless said otherwise. Text-to-video runs causal
+# blocks of 5 frames asynchronously (ar_step=1: each block a step ahead of the next, so one call's
+# frames have different timesteps; 6 iterations); video-to-video conditions on a 17-frame history
+# (5 latent frames, one causal block); image-to-video on its image's latent frame, which the pipeline
+# would drop to align it to blocks of 5 frames, so its blocks are single frames (no mask).
 
 
 def _pipeline(name: str, transformer=None, **extra):
@@ -107,7 +110,7 @@ def _call(**extra):
 
 def _df_call(**extra):
     return {**dict(height=16, width=80, num_frames=97, guidance_scale=5.0, negative_prompt=["rain", "snow at night"],
-                   max_sequence_length=8, causal_block_size=5, ar_step=1), **extra}
+                   max_sequence_length=8, causal_block_size=5, ar_step=0), **extra}
 
 
 PIPELINES = {
@@ -115,13 +118,13 @@ PIPELINES = {
     # The processor takes the last 512 context tokens for text (its text length is fixed), so the
     # prompts are padded to 512.
     "SkyReelsV2ImageToVideoPipeline": Pipe(_i2v, lambda: _call(image=families.image(112, 80), max_sequence_length=512)),
-    "SkyReelsV2DiffusionForcingPipeline": Pipe(_build("SkyReelsV2DiffusionForcingPipeline"), _df_call,
-                                               tokens=_DF_TOKENS),
+    "SkyReelsV2DiffusionForcingPipeline": Pipe(_build("SkyReelsV2DiffusionForcingPipeline"),
+                                               lambda: _df_call(ar_step=1), tokens=_DF_TOKENS),
     "SkyReelsV2DiffusionForcingImageToVideoPipeline": Pipe(
-        _build("SkyReelsV2DiffusionForcingImageToVideoPipeline"), lambda: _df_call(image=families.image(80, 16)),
-        tokens=_DF_TOKENS),
+        _build("SkyReelsV2DiffusionForcingImageToVideoPipeline"),
+        lambda: _df_call(image=families.image(80, 16), causal_block_size=1), tokens=_DF_TOKENS),
     "SkyReelsV2DiffusionForcingVideoToVideoPipeline": Pipe(
         _build("SkyReelsV2DiffusionForcingVideoToVideoPipeline"),
-        lambda: _df_call(video=[families.image(80, 16, seed=i) for i in range(5)], overlap_history=5),
+        lambda: _df_call(video=[families.image(80, 16, seed=i) for i in range(17)], overlap_history=17),
         tokens=_DF_TOKENS),
 }
