@@ -224,9 +224,10 @@ class SequenceSplitHook(ModelHook):
         sizes = self.state.shard_sizes()
         group = self.state.group
         if x.shape[spec.gather_dim] != sizes[group.rank]:
+            # The same words on every rank (shard lengths differ between ranks).
             raise SequenceParallelConfigError(
-                f"{what} of shape {list(x.shape)} was to be gathered along dim {spec.gather_dim} from this rank's "
-                f"shard of {sizes[group.rank]} tokens (sequence of {sum(sizes)} over {group.world_size} ranks): the "
+                f"{what} was to be gathered along dim {spec.gather_dim} from this rank's shard of a sequence of "
+                f"{sum(sizes)} tokens over {group.world_size} ranks, but its length there is not the shard's: the "
                 f"sharding plan does not match the model's forward.")
         full = all_gather_along(x, spec.gather_dim, sizes, group)
         if self.state.order is not None:

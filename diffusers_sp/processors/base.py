@@ -110,7 +110,7 @@ def normalize_key_padding_mask(attn_mask: torch.Tensor | None, batch: int, heads
     if m.shape[2] != 1:
         raise SequenceParallelConfigError(
             f"{where}: the attention mask depends on the query position (shape [B, H, Lq, Lk] with Lq > 1) "
-            f"and covers only this rank's {length} tokens. Under sequence parallelism such a mask lacks the "
+            f"and covers only this rank's shard of the tokens. Under sequence parallelism such a mask lacks the "
             f"entries between this rank's queries and the other ranks' keys, so it cannot be applied exactly; "
             f"supported are key padding masks ([B, 1, 1, L], one value per key token) and masks the model "
             f"builds over the full sequence before it is split ([B, H, L_full, L_full]) (modes 'ulysses' and "
