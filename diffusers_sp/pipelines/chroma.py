@@ -51,6 +51,9 @@ CHROMA = FamilySpec(
     joint_text="prefix",
     text_mask=True,
     attention_call="dispatch",
-    cfg_strategy="two_call",
+    # Chroma's pipelines (Diffusers 0.42) make their two CFG calls outside the transformer's
+    # cache_context("cond"/"uncond"), by which CFG parallelism pairs them: every call would run on both
+    # CFG groups, so cfg_parallel="auto" would halve the sequence-parallel degree for nothing.
+    cfg_strategy=None,
     note="its [B, 1, L, L] additive 0/1 mask is applied whole, as one process does",
 )
