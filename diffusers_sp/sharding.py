@@ -6,6 +6,8 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
 
 * a dict ``{argument name or output index: ContextParallelInput(split_dim, expected_dims, split_output)}``:
   split those forward arguments (or, with ``split_output=True``, those outputs) along ``split_dim``;
+  an argument may instead be gathered back to the full sequence (:class:`GatherInput`), for a
+  submodule that needs every token;
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
 Besides Diffusers' specs, an entry may be a :class:`SplitEach` (a list of tensors), a
@@ -116,6 +118,8 @@ class TailCount:
     keys may be scaled). Shards are contiguous and in rank order, so each shard is ``[its history tokens;
     its chunk tokens]``, either part possibly empty, and the cut falls where the block makes it. The
     argument must reach the module after the sequence was split in the same forward."""
+
+
 TEXT_SIDES = ("prefix", "suffix")
 
 
@@ -163,6 +167,27 @@ class JointSequence:
         if text.shape[dim] == 0:
             return sequence
         return torch.cat([text, sequence] if self.text == "prefix" else [sequence, text], dim=dim)
+
+
+@dataclass(frozen=True)
+class GatherInput:
+    """A plan entry for an argument, already split along the sequence, that a submodule needs whole:
+    this rank's shard is all-gathered to the full sequence (in the model's token order, a
+    :class:`TokenOrder` undone) before the submodule runs, on every rank. The submodule's output is
+    then split again by an output entry of the same dict (``ContextParallelInput(split_output=True)``).
+
+    For a submodule that mixes tokens in a way the attention processors do not cover, e.g. Wan
+    Animate's face adapter, which groups its queries by frame (``[B, S, ...] -> [B * F, S / F, ...]``),
+    so that a shard cut inside a frame cannot run it. It costs one all-gather of the argument and the
+    submodule's work on every token on every rank.
+
+    Attributes:
+        gather_dim: The sequence dimension.
+        expected_dims: The argument's number of dims; another passes as it is (as in Diffusers' plans).
+    """
+
+    gather_dim: int
+    expected_dims: int | None = None
 
 
 @dataclass
@@ -218,7 +243,8 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
 
 
 class SequenceSplitHook(ModelHook):
-    """Splits named forward arguments (or outputs, ``split_output=True``) into this rank's shard."""
+    """Splits named forward arguments (or outputs, ``split_output=True``) into this rank's shard, or gathers
+    arguments (:class:`GatherInput`) back to the full sequence."""
 
     def __init__(self, entries: dict, state: SequenceState):
         super().__init__()
@@ -286,6 +312,22 @@ class SequenceSplitHook(ModelHook):
                 self.state.inputs_split = True
         return tuple(args), kwargs
 
+    def _gather(self, x, spec: GatherInput, what: str):
+        if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
+            return x
+        sizes = self.state.shard_sizes()
+        group = self.state.group
+        if x.shape[spec.gather_dim] != sizes[group.rank]:
+            # The same words on every rank (shard lengths differ between ranks).
+            raise SequenceParallelConfigError(
+                f"{what} was to be gathered along dim {spec.gather_dim} from this rank's shard of a sequence of "
+                f"{sum(sizes)} tokens over {group.world_size} ranks, but its length there is not the shard's: the "
+                f"sharding plan does not match the model's forward.")
+        full = all_gather_along(x, spec.gather_dim, sizes, group)
+        if self.state.order is not None:
+            full = full.index_select(spec.gather_dim % full.ndim, self.state.order.inverse.to(full.device))
+        return full
+
     def _split_value(self, value, spec, what: str = "a tensor"):
         if isinstance(spec, PrefixCount):
             return self._prefix_count(value, what)
@@ -293,6 +335,8 @@ class SequenceSplitHook(ModelHook):
             return self._tail_count(value, what)
         if isinstance(spec, JointSequence):
             return self._split_joint(value, spec, what)
+        if isinstance(spec, GatherInput):
+            return self._gather(value, spec, what)
         if isinstance(spec, SplitEach):
             if not isinstance(value, (list, tuple)):
                 return value

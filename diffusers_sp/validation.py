@@ -127,9 +127,13 @@ def validate_vsa(traits: "PipelineTraits", world_size: int, *, sparsity, tile_si
             f"{traits.name}: mode 'vsa' is not supported with text tokens inside self-attention (joint "
             f"attention in {joint[0]}); VSA tiles only video tokens. {dense}")
     if not has_latent_grid:
+        from .pipelines import FAMILIES  # here: the registry imports this module
+
+        readable = ", ".join(f.name for f in FAMILIES if f.latent_grid is not None)
         raise SequenceParallelConfigError(
             f"{traits.name}: mode 'vsa' needs the latent grid (frames, height, width) of each forward, which "
-            f"diffusers-sp cannot read for this family yet (VSA runs on the Wan family). {dense}")
+            f"diffusers-sp cannot read for this family yet (VSA runs on the families whose grid it reads: "
+            f"{readable}). {dense}")
     try:
         sparsity = float(sparsity)
     except (TypeError, ValueError):

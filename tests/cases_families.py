@@ -40,17 +40,30 @@ def _model_output(out) -> torch.Tensor:
 
 
 def _forward_all_modes(model, kwargs, modes=MODES) -> dict:
+    """Results under :func:`families.result_keys` of ``modes``: dense modes against one process, VSA
+    under each ``vsa_sp_mode`` against VSA on a one-rank group."""
     with torch.no_grad():
         ref = _model_output(model(**kwargs))
         results = {}
-        for mode in modes:
-            handle = enable_sequence_parallel(model, mode=mode)
+        for key in families.result_keys(modes):
+            mode, _, sp_mode = key.partition("/")
+            opts = dict(vsa_sp_mode=sp_mode) if sp_mode else {}
+            want = ref
+            if sp_mode:
+                from cases_vsa import _solo_group
+
+                handle = enable_sequence_parallel(model, mode=mode, process_group=_solo_group(), **opts)
+                try:
+                    want = _model_output(model(**kwargs))
+                finally:
+                    handle.disable()
+            handle = enable_sequence_parallel(model, mode=mode, **opts)
             try:
-                results[mode] = compare(ref, _model_output(model(**kwargs)))
-                results[mode]["resolved"] = handle.mode
+                results[key] = compare(want, _model_output(model(**kwargs)))
+                results[key]["resolved"] = handle.mode
                 # Proof that the forward really ran split: the image length the hooks saw, the wrapped modules.
-                results[mode]["seq_len"] = handle._models[0].state.seq_len
-                results[mode]["wrapped"] = len(handle._models[0].processors)
+                results[key]["seq_len"] = handle._models[0].state.seq_len
+                results[key]["wrapped"] = len(handle._models[0].processors)
             finally:
                 handle.disable()
         results["restored_bitwise"] = torch.equal(_model_output(model(**kwargs)), ref)
@@ -288,13 +301,160 @@ def case_joint_sequence_plan_suffix():
     return _joint_sequence_plan("suffix")
 
 
+# ------------------------------------------------------------------ functional full-sequence masks
+
+
+class _ModelProcessor:
+    """Stands in for a model's attention processor: the wrappers read only its class and signature."""
+
+    def __call__(self, attn, hidden_states):
+        raise NotImplementedError
+
+
+def _full_mask(kind: str, B: int, heads: int, text_len: int, layout, S: int):
+    """A mask over the whole joint sequence (``L = text_len + S``), as a model makes it before its split.
+
+    ``block_causal``: SkyReels-V2's diffusion-forcing mask, ``[1, 1, L, L]`` bool, frames of 7 tokens in
+    causal blocks of 2 frames (a query attends its own block and the earlier ones; text rows and columns
+    attend everything). ``outer_float``: Chroma's, ``[B, 1, L, L]`` float, the outer product of a 0/1
+    token mask (sample 0 with 2 padded text tokens) added to the scores as it is. ``per_head``: a
+    random ``[B, H, L, L]`` bool mask (the diagonal kept). ``key_padding``: ``[B, 1, 1, L]`` bool over
+    the full sequence.
+    """
+    L = text_len + S
+    image = slice(text_len, L) if layout == "prefix" else slice(0, S)
+    text = slice(0, text_len) if layout == "prefix" else slice(S, L)
+    if kind == "block_causal":
+        block = torch.arange(S) // 7 // 2
+        mask = torch.ones(L, L, dtype=torch.bool)
+        mask[image, image] = block[None, :] <= block[:, None]
+        return mask[None, None]
+    if kind == "outer_float":
+        tokens = torch.ones(B, L)
+        tokens[0, torch.arange(L)[text][max(text_len - 2, 0):]] = 0.0
+        return tokens[:, None, None, :] * tokens[:, None, :, None]
+    if kind == "per_head":
+        mask = torch.rand(B, heads, L, L, generator=_gen(3)) < 0.7
+        return mask | torch.eye(L, dtype=torch.bool)
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    keep[0, ..., torch.arange(L)[text][max(text_len - 2, 0):]] = False
+    return keep
+
+
+def _functional_full_mask(text_len, layout, kind, heads=5):
+    """A mask over the full sequence reaching the processors' attention call on raw tensors, in both
+    dense modes: K/V-gather takes its queries' rows, Ulysses the whole mask; nothing is exchanged."""
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors import PROCESSORS
+    from diffusers_sp.processors.base import split_text_image
+    from diffusers_sp.sharding import SequenceState, shard
+
+    group = resolve_group()
+    g = _gen(11)
+    B, S, D = 2, 35, 8
+    L = S + text_len
+    q, k, v = (torch.randn(B, heads, L, D, generator=g) for _ in range(3))
+    mask = _full_mask(kind, B, heads, text_len, layout, S)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def local(x, dim=2):
+        t, i = split_text_image(x, text_len, layout, dim=dim)
+        i = shard(i, dim, group.rank, group.world_size)
+        return torch.cat([t, i] if layout == "prefix" else [i, t], dim=dim)
+
+    state = SequenceState(group, extra={"joint_text": layout})
+    state.seq_len = S
+    out = {}
+    for mode in MODES:
+        processor = PROCESSORS[mode](_ModelProcessor(), state)
+        out[mode] = compare(local(ref), processor._attend(local(q), local(k), local(v), attn_mask=mask))
+    return out
+
+
+def case_functional_full_block_causal_mask_no_text():
+    return _functional_full_mask(0, None, "block_causal")
+
+
+def case_functional_full_block_causal_mask_prefix():
+    return _functional_full_mask(6, "prefix", "block_causal")
+
+
+def case_functional_full_outer_float_mask_prefix():
+    return _functional_full_mask(6, "prefix", "outer_float", heads=3)
+
+
+def case_functional_full_per_head_mask_suffix():
+    return _functional_full_mask(4, "suffix", "per_head")
+
+
+def case_functional_full_key_padding_mask_suffix():
+    return _functional_full_mask(5, "suffix", "key_padding")
+
+
+# ------------------------------------------------------------------ functional: a submodule that needs every token
+
+
+class _FrameCentering(torch.nn.Module):
+    """Groups the tokens by frame, as Wan Animate's face adapter does (``[B, S, C] -> [B, F, S / F, C]``):
+    a shard cut inside a frame cannot run it."""
+
+    def forward(self, hidden_states, frames: int):
+        x = hidden_states.unflatten(1, (frames, -1))
+        return (x - x.mean(2, keepdim=True)).flatten(1, 2)
+
+
+class _FrameModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj_in, self.frames, self.proj_out = torch.nn.Linear(4, 4), _FrameCentering(), torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states, frames: int):
+        x = self.proj_in(hidden_states)
+        return self.proj_out(x + self.frames(x, frames))
+
+
+def case_functional_gather_input():
+    """A plan that splits the tokens at the input, gathers them whole for a submodule that groups them
+    by frame (GatherInput), splits its output again and gathers the model's output: equal to one
+    process, in the tokens' order and in a permuted order (as VSA's tile order permutes them)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.sharding import GatherInput, SequenceState, TokenOrder, apply_plan, balanced_sizes, remove_hooks
+
+    group = resolve_group()
+    split = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    plan = {"": {"hidden_states": split},
+            "frames": {"hidden_states": GatherInput(gather_dim=1, expected_dims=3),
+                       0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+    model = _FrameModel()
+    x = torch.randn(2, 35, 4, generator=_gen(5))  # 5 frames of 7 tokens
+    with torch.no_grad():
+        ref = model(x, 5)
+        out = {}
+        perm = torch.randperm(35, generator=_gen(6))
+        orders = {"token order": None, "permuted": TokenOrder(perm, torch.argsort(perm),
+                                                              tuple(balanced_sizes(35, group.world_size)))}
+        for name, order in orders.items():
+            state = SequenceState(group)
+            hooks = apply_plan(model, plan, state)
+            try:
+                state.order = order
+                out[name] = compare(ref, model(x, 5))
+            finally:
+                remove_hooks(hooks)
+    return out
+
+
 # ------------------------------------------------------------------ every family's forwards and pipelines
 # (the tiny configs of tests/families/; one case per forward and per pipeline, defined below)
 
 
 def _forward_case(name: str) -> dict:
     model, kwargs = families.forward_cases()[name]()
-    return _forward_all_modes(model, kwargs)
+    return _forward_all_modes(model, kwargs, families.forward_specs()[name].modes)
 
 
 _PIPES: dict = {}
@@ -467,6 +627,18 @@ def case_error_cp_plan_text_in_marked_call():
         finally:
             handle.disable()
     return out
+
+
+def case_error_vsa_with_block_causal_mask():
+    """VSA on SkyReels-V2 diffusion forcing with causal blocks: its block-causal frame mask cannot
+    follow VSA's tiles, so the call is refused on every rank, naming the dense modes (which run it)."""
+    model, kwargs = families.forward_cases()["skyreels_v2_diffusion_forcing"]()
+    handle = enable_sequence_parallel(model, mode="vsa")
+    try:
+        with torch.no_grad():
+            return error_of(lambda: model(**kwargs))
+    finally:
+        handle.disable()
 
 
 def case_error_ulysses_fewer_heads_than_ranks():

@@ -17,6 +17,7 @@ WORLD_SIZES = (2, 3)
 MODES = ("ulysses", "kv_gather")
 TOKENS = families.TOKENS  # image/video tokens of every forward case: divides neither 2 nor 3
 FORWARDS = tuple(families.forward_cases())
+FORWARD_SPECS = families.forward_specs()
 PIPELINES = families.pipeline_cases()
 
 
@@ -70,15 +71,33 @@ def test_joint_sequence_plan_entries_exact(results, side):
         assert "no split of this forward has set the sequence length" in v["no_earlier_split"], v
 
 
-@pytest.mark.parametrize("case", FORWARDS)
-def test_transformer_forward_equals_one_process(results, case):
+@pytest.mark.parametrize("case", ["block_causal_mask_no_text", "block_causal_mask_prefix", "outer_float_mask_prefix",
+                                  "per_head_mask_suffix", "key_padding_mask_suffix"])
+def test_full_sequence_masks_exact(results, case):
+    """Masks a model builds over the full sequence before its split (query-dependent ones included)."""
     P, res = results
-    for rank, v in enumerate(values(res, f"transformer_{case}")):
+    for rank, v in enumerate(values(res, f"functional_full_{case}")):
         for mode in MODES:
             assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
-            assert v[mode]["resolved"] == mode
-            assert v[mode]["seq_len"] == TOKENS, "the forward did not run split"
-            assert v[mode]["wrapped"] >= 2
+
+
+def test_gather_input_for_a_submodule_that_needs_every_token(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "functional_gather_input")):
+        for order in ("token order", "permuted"):
+            assert_close(v[order], f"P={P} rank {rank} {order}")
+
+
+@pytest.mark.parametrize("case", FORWARDS)
+def test_transformer_forward_equals_one_process(results, case):
+    """Dense modes equal one process; VSA (where a case asks for it) equals VSA on one rank."""
+    P, res = results
+    for rank, v in enumerate(values(res, f"transformer_{case}")):
+        for key in families.result_keys(FORWARD_SPECS[case].modes):
+            assert_close(v[key], f"P={P} rank {rank} {case} {key}")
+            assert v[key]["resolved"] == key.partition("/")[0]
+            assert v[key]["seq_len"] == FORWARD_SPECS[case].tokens, "the forward did not run split"
+            assert v[key]["wrapped"] >= 2
         assert v["restored_bitwise"], f"P={P} rank {rank}: disable did not restore the outputs bit for bit"
 
 
@@ -114,6 +133,14 @@ def test_query_dependent_mask_raises_on_every_rank(results):
         assert len(per_rank) == 1, per_rank
         msg = per_rank.pop()
         assert "depends on the query position" in msg and "key padding" in msg, msg
+
+
+def test_vsa_refuses_a_query_dependent_mask_on_every_rank(results):
+    P, res = results
+    msgs = values(res, "error_vsa_with_block_causal_mask")
+    assert len(set(msgs)) == 1, msgs
+    assert "VSA supports video self-attention without text tokens or masks" in msgs[0], msgs[0]
+    assert "an attention mask" in msgs[0] and "'kv_gather'" in msgs[0], msgs[0]
 
 
 def test_cp_plan_path_refuses_text_in_a_marked_call(results):

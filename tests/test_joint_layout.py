@@ -7,8 +7,9 @@ import torch
 
 from diffusers_sp import SequenceParallelConfigError, enable_sequence_parallel
 from diffusers_sp.pipelines import FAMILIES, family_for_model, plan_without, supported_models
-from diffusers_sp.processors.base import (is_image_identity_mask, join_text_image, normalize_key_padding_mask,
-                                          split_text_image, symmetric_padding_vector)
+from diffusers_sp.processors.base import (full_sequence_mask, is_image_identity_mask, join_text_image,
+                                          normalize_key_padding_mask, query_rows, split_text_image,
+                                          symmetric_padding_vector)
 from diffusers_sp.traits import ModelTraits, PipelineTraits
 from diffusers_sp.validation import choose_auto_mode, validate_mode
 
@@ -76,6 +77,24 @@ def test_padding_mask_over_queries_and_keys_is_recognized():
     assert symmetric_padding_vector(cogview4 * 2.0, 2, 3, 4) is None  # a bias of 2: not a padding vector
     assert symmetric_padding_vector(both[..., :3], 2, 3, 4) is None  # not square over the call's tokens
     assert symmetric_padding_vector(m[:, None, None, :], 2, 3, 4) is None  # a key padding mask already
+
+
+def test_full_sequence_mask_rows():
+    """A mask over the full sequence (T = 2 text tokens, 7 image tokens on ranks of 3 and 4): K/V-gather's
+    rows of rank 1 are the text rows and rows 5..8 of the image part, in the call's order."""
+    L = 9
+    mask = torch.arange(L * L).reshape(1, 1, L, L)
+    assert full_sequence_mask(mask[0, 0], 2, 3, L, "p").shape == (1, 1, L, L)
+    assert full_sequence_mask(torch.ones(2, 1, 1, L), 2, 3, L, "p").shape == (2, 1, 1, L)
+    prefix = query_rows(mask, 2, "prefix", [3, 4], 1)
+    assert torch.equal(prefix, mask[:, :, [0, 1, 5, 6, 7, 8]])
+    suffix = query_rows(mask, 2, "suffix", [3, 4], 0)
+    assert torch.equal(suffix, mask[:, :, [0, 1, 2, 7, 8]])
+    assert torch.equal(query_rows(mask, 0, None, [4, 5], 1), mask[:, :, 4:])
+    key_padding = torch.ones(1, 1, 1, L)
+    assert query_rows(key_padding, 2, "prefix", [3, 4], 1) is key_padding
+    with pytest.raises(SequenceParallelConfigError, match="rows of this rank's queries"):
+        full_sequence_mask(torch.ones(1, 1, 4, L), 2, 3, L, "p")
 
 
 def test_plans_keep_text_replicated():

@@ -157,6 +157,7 @@ def plan_without(plan: dict, drop: dict) -> dict:
 
 
 def _registry() -> tuple[FamilySpec, ...]:
+    from .chroma import CHROMA
     from .cogvideox import COGVIDEOX
     from .cogview4 import COGVIEW4
     from .flux import FLUX
@@ -170,10 +171,13 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .mochi import MOCHI
     from .qwenimage import QWENIMAGE
     from .sd3 import SD3
+    from .skyreels_v2 import SKYREELS_V2
     from .wan import WAN
+    from .wan_animate import WAN_ANIMATE
+    from .wan_vace import WAN_VACE
 
     return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
-            HUNYUAN_IMAGE)
+            HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

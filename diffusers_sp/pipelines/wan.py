@@ -16,18 +16,27 @@ from diffusers.models._modeling_parallel import ContextParallelInput, ContextPar
 
 from . import FamilySpec
 
-# (WanAttnProcessor, the signature of its __call__): what the K/V-first hook mirrors and how it binds
-# the processor's arguments. Filled on first use, since importing Diffusers' Wan module costs seconds
-# (a plain global, not functools.lru_cache, which torch.compile warns about when tracing through it).
+# ((WanAttnProcessor and its copies), the signature of its __call__): what the K/V-first hook mirrors
+# and how it binds the processor's arguments. Wan Animate's module holds a copy of the class, kept
+# equal to Wan's by Diffusers' "Copied from" check. Filled on first use, since importing Diffusers' Wan
+# modules costs seconds (a plain global, not functools.lru_cache, which torch.compile warns about when
+# tracing through it).
 _WAN_PROCESSOR: tuple = ()
 
 
 def _wan_processor() -> tuple:
     global _WAN_PROCESSOR
     if not _WAN_PROCESSOR:
-        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+        from diffusers.models.transformers import transformer_wan
 
-        _WAN_PROCESSOR = (WanAttnProcessor, inspect.signature(WanAttnProcessor.__call__))
+        classes = (transformer_wan.WanAttnProcessor,)
+        try:
+            from diffusers.models.transformers import transformer_wan_animate
+        except ImportError:  # a Diffusers release without Wan Animate
+            pass
+        else:
+            classes += (transformer_wan_animate.WanAttnProcessor,)
+        _WAN_PROCESSOR = (classes, inspect.signature(transformer_wan.WanAttnProcessor.__call__))
     return _WAN_PROCESSOR
 
 # The plan Diffusers 0.42 ships as WanTransformer3DModel._cp_plan; used when a model lacks one.
@@ -90,7 +99,8 @@ def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv
     is bit-identical to the model's processor (``tests/test_wan_parallel.py`` compares them).
 
     Args:
-        inner: The model's processor; anything but a plain ``WanAttnProcessor`` is declined.
+        inner: The model's processor; anything but a plain ``WanAttnProcessor`` (Wan's, or Wan
+            Animate's copy of it) is declined.
         attn: The ``WanAttention`` module.
         args, kwargs: The processor call's arguments (``hidden_states`` ``[B, S_r, C]``,
             ``rotary_emb`` ``(cos, sin)`` of ``[1, S_r, 1, D]``).
@@ -103,8 +113,8 @@ def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv
         cross-attention), image-context (I2V) projections or an attention mask, which the model's
         processor then runs.
     """
-    processor_cls, signature = _wan_processor()
-    if (type(inner) is not processor_cls or getattr(attn, "add_k_proj", None) is not None
+    processor_classes, signature = _wan_processor()
+    if (type(inner) not in processor_classes or getattr(attn, "add_k_proj", None) is not None
             or getattr(attn, "is_cross_attention", False)):
         return NotImplemented
     call = signature.bind(inner, attn, *args, **kwargs).arguments

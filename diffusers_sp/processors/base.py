@@ -14,20 +14,29 @@ every rank) and this rank's ``S_r`` image tokens, text first (``"prefix"``) or l
 as the family declares (``SequenceState.extra["joint_text"]``). ``T`` is read from each call as
 ``L - S_r`` (so Mochi's per-sample calls with a different number of valid text tokens work).
 
-Masks. A *key padding mask* (one value per batch element and key token, the same for every query,
-boolean True = attend or additive float; shape broadcastable to ``[B, H, 1, L]``) is supported:
-its text part is replicated, its image part is all-gathered with the same uneven sizes as the keys,
-and the strategies receive the mask over the full key sequence in the model's order. So is a
-*padding mask over queries and keys*, ``M[q, k] = m[q] and m[k]`` for one padding vector ``m``
-(boolean, or float ``m[q] * m[k]`` with ``m`` in {0, 1}: CogView4's ``attention_mask``): each row is
-then either ``m`` (a key padding mask) or, for a padding query, constant (all False: fully masked;
-all 0.0: no bias), so the call runs as up to two key-padding-mask calls whose rows are merged (see
-:func:`symmetric_padding_vector`). Any other mask that varies along the query dimension would need
-the mask entries between this rank's queries and the other ranks' keys, which no rank has: it
-raises :class:`SequenceParallelConfigError`. One more such mask is exact all the same, the *image
-identity mask* of perturbed-attention guidance (see :func:`is_image_identity_mask`): every image query
-sees only its own image key and the text, which are all on its rank, and every text query sees every
-key, as without a mask.
+Masks (boolean True = attend, or additive float, exactly as SDPA applies them). Two kinds are told
+apart by their key length, which differs at every world size above 1 (``T + S_r < T + S``):
+
+* a *local mask* over this call's ``T + S_r`` keys. A key padding mask (one value per batch element
+  and key token, the same for every query; broadcastable to ``[B, H, 1, T + S_r]``): its text part is
+  replicated, its image part is all-gathered with the same uneven sizes as the keys. A *padding mask
+  over queries and keys*, ``M[q, k] = m[q] and m[k]`` for one padding vector ``m`` (boolean, or float
+  ``m[q] * m[k]`` with ``m`` in {0, 1}: CogView4's ``attention_mask``): each row is then either ``m``
+  (a key padding mask) or, for a padding query, constant, so the call runs as up to two
+  key-padding-mask calls whose rows are merged (:func:`symmetric_padding_vector`). The *image identity
+  mask* of perturbed-attention guidance (:func:`is_image_identity_mask`): every image query sees only
+  its own image key and the text, which are all on its rank, and every text query sees every key.
+* a *full-sequence mask* that the model built before its tokens were split, over all ``T + S`` keys:
+  ``[B or 1, H or 1, 1 or T + S, T + S]`` (a key padding mask, or a query-dependent one such as
+  SkyReels-V2's block-causal frame mask or Chroma's outer product of its text mask). Nothing is
+  exchanged: K/V-gather, whose queries stay local, takes the rows of this rank's queries (the text
+  rows and this rank's image rows, in the call's order), Ulysses, which attends every query of its
+  heads, takes it whole (:func:`full_sequence_mask`, :func:`query_rows`).
+
+The strategies then receive the mask over the full key sequence in the model's order. Any other mask
+that varies along the query dimension but covers only this call's tokens would need the entries
+between this rank's queries and the other ranks' keys, which no rank has: it raises
+:class:`SequenceParallelConfigError`.
 """
 
 from __future__ import annotations
@@ -107,11 +116,12 @@ def normalize_key_padding_mask(attn_mask: torch.Tensor | None, batch: int, heads
             f"{length} local tokens (expected [B, 1 or H, 1, {length}]).")
     if m.shape[2] != 1:
         raise SequenceParallelConfigError(
-            f"{where}: the attention mask depends on the query position (shape [B, H, Lq, Lk] with Lq > 1). "
-            f"Under sequence parallelism each rank holds only its own keys' columns of such a mask, so it "
-            f"cannot be applied exactly; only key padding masks ([B, 1, 1, L], one value per key token) "
-            f"and padding masks over queries and keys (M[q, k] = m[q] and m[k]) are supported (modes "
-            f"'ulysses' and 'kv_gather' alike).")
+            f"{where}: the attention mask depends on the query position (shape [B, H, Lq, Lk] with Lq > 1) "
+            f"and covers only this rank's shard of the tokens. Under sequence parallelism such a mask lacks the "
+            f"entries between this rank's queries and the other ranks' keys, so it cannot be applied exactly; "
+            f"supported are key padding masks ([B, 1, 1, L], one value per key token), padding masks over "
+            f"queries and keys (M[q, k] = m[q] and m[k]) and masks the model builds over the full sequence "
+            f"before it is split ([B, H, L_full, L_full]) (modes 'ulysses' and 'kv_gather' alike).")
     return m
 
 
@@ -150,6 +160,61 @@ def symmetric_padding_vector(attn_mask: torch.Tensor | None, batch: int, heads: 
     else:
         return None
     return pad.unsqueeze(-2) if torch.equal(m, outer) else None
+
+
+def full_sequence_mask(attn_mask: torch.Tensor, batch: int, heads: int, full_length: int,
+                       where: str) -> torch.Tensor:
+    """Checks a mask over the full joint sequence and returns it as a 4-D tensor.
+
+    Args:
+        attn_mask: The ``attn_mask`` of an SDPA call whose last dim is ``full_length = T + S`` (every
+            text and image token, in the model's order): a mask the model made before the split
+            hooks cut its tokens. Boolean (True = attend) or additive float, broadcastable to
+            ``[batch, heads, full_length, full_length]``.
+        batch, heads: Shape of the call.
+        full_length: ``T + S``.
+        where: Processor name for error messages.
+
+    Returns:
+        ``[B or 1, H or 1, 1 or full_length, full_length]`` (a view, same dtype).
+
+    Raises:
+        SequenceParallelConfigError: a query dimension that is neither 1 nor ``full_length``, or a
+            batch or head dimension that does not broadcast to the call's.
+    """
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if (m.dim() != 4 or m.shape[-1] != full_length or m.shape[2] not in (1, full_length)
+            or m.shape[0] not in (1, batch) or m.shape[1] not in (1, heads)):
+        raise SequenceParallelConfigError(
+            f"{where}: attention mask of shape {tuple(attn_mask.shape)} covers the {full_length} keys of the full "
+            f"sequence but not as [B or 1, H or 1, 1 or {full_length}, {full_length}], so the rows of this rank's "
+            f"queries cannot be found in it.")
+    return m
+
+
+def query_rows(mask: torch.Tensor, text_len: int, text_layout: str | None, sizes: list[int], rank: int) -> torch.Tensor:
+    """The rows of a full-sequence mask for the queries of one rank's attention call.
+
+    Args:
+        mask: ``[B or 1, H or 1, 1 or T + S, T + S]`` (:func:`full_sequence_mask`), rows and columns
+            in the model's order (text first for ``"prefix"``, last for ``"suffix"``, then the image
+            tokens in rank order).
+        text_len, text_layout: The joint layout (T text tokens, replicated on every rank).
+        sizes: Image tokens per rank.
+        rank: The rank whose queries are wanted.
+
+    Returns:
+        ``mask`` itself when it has one row (a key padding mask); else ``[B or 1, H or 1, T + S_r, T + S]``:
+        the T text rows and the rows of ``rank``'s image shard, in the order of the call's queries (a
+        view without text, one copy with it).
+    """
+    if mask.shape[2] == 1:
+        return mask
+    text, image = split_text_image(mask, text_len, text_layout, dim=2)
+    mine = image.narrow(2, sum(sizes[:rank]), sizes[rank])
+    return join_text_image(text, mine, text_layout, dim=2)
 
 
 def gather_key_padding_mask(mask: torch.Tensor | None, text_len: int, text_layout: str | None, sizes: list[int],
@@ -374,6 +439,9 @@ class SequenceParallelAttnProcessor:
 
     strategy = "base"
     supports_kv_first = False
+    #: Whether :meth:`parallel_attention` attends the queries of every rank (Ulysses: all tokens of its
+    #: heads) rather than this rank's own (K/V-gather): which rows of a full-sequence mask it receives.
+    attends_all_queries = False
     _inner_cls = None
 
     def __new__(cls, inner, *args, **kwargs):
@@ -515,27 +583,35 @@ class SequenceParallelAttnProcessor:
         layout = self.state.extra.get("joint_text")
         length = query.shape[2]
         text_len = self._text_len(name, length, key.shape[2], sizes)
+        group = self.state.group
+        group.check_device(query.device)
+        full_length = text_len + sum(sizes)
+        if attn_mask is not None and attn_mask.shape[-1] == full_length and len(sizes) > 1:
+            # Made by the model over the full sequence before its tokens were split (the key lengths of
+            # the two kinds differ at every world size above 1): complete already, nothing to exchange.
+            mask = full_sequence_mask(attn_mask, query.shape[0], query.shape[1], full_length, name)
+            if not self.attends_all_queries:
+                mask = query_rows(mask, text_len, layout, sizes, group.rank)
+            return self.parallel_attention(query, key, value, sizes, scale=scale, text_len=text_len,
+                                           text_layout=layout, key_mask=mask)
         # min(sizes) > 1: a 1 x 1 image block is the identity and open alike, so on a rank with one image
         # token an open query-dependent mask would pass for one, while the other ranks refuse it.
         if attn_mask is not None and min(sizes) > 1 and attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1 and \
                 is_image_identity_mask(attn_mask, text_len, layout):
             return self._identity_attention(query, key, value, attn_mask, sizes, scale=scale, text_len=text_len,
                                             text_layout=layout)
-        group = self.state.group
         padding = None
         if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1:
             padding = symmetric_padding_vector(attn_mask, query.shape[0], query.shape[1], length)
             if group.world_size > 1:
                 # Read from values, not shapes: every rank must take the same branch (a rank that
                 # raised below while the others gathered would leave them waiting).
-                group.check_device(query.device)
                 flags = all_gather_along(torch.tensor([padding is not None], device=query.device).to(torch.uint8),
                                          0, [1] * group.world_size, group)
                 padding = padding if bool(flags.all()) else None
         if padding is not None:
             return self._attend_padded(query, key, value, padding, sizes, scale=scale, text_len=text_len)
         mask = normalize_key_padding_mask(attn_mask, query.shape[0], query.shape[1], length, name)
-        group.check_device(query.device)
         mask = gather_key_padding_mask(mask, text_len, layout, sizes, group)
         return self.parallel_attention(query, key, value, sizes, scale=scale, text_len=text_len,
                                        text_layout=layout, key_mask=mask)
@@ -592,8 +668,11 @@ class SequenceParallelAttnProcessor:
             scale: Softmax scale, ``None`` for ``1/sqrt(D)``.
             text_len: Text tokens T in the joint sequence (0: image tokens only).
             text_layout: ``"prefix"``, ``"suffix"``, or ``None`` when ``text_len == 0``.
-            key_mask: ``None`` or a key padding mask ``[B or 1, H or 1, 1, text_len + sum(sizes)]``
-                over the full key sequence in the same order (bool True = attend, or additive float).
+            key_mask: ``None`` or a mask ``[B or 1, H or 1, Lq, text_len + sum(sizes)]`` over the full
+                key sequence in the same order (bool True = attend, or additive float): ``Lq = 1`` (a
+                key padding mask), or the rows of the queries the strategy attends: this rank's
+                ``text_len + sizes[rank]`` when :attr:`attends_all_queries` is False, all
+                ``text_len + sum(sizes)`` (in the model's order) when it is True.
 
         Returns:
             ``[B, H, text_len + sizes[rank], D]``: attention output of this rank's query rows; the

@@ -101,8 +101,9 @@ def finish_kv_gather(pending: PendingKV, query: torch.Tensor, *, scale: float | 
         query: ``[B, H, T + S_r, D]``, same layout as the keys given to :func:`start_kv_gather`.
         scale: Softmax scale (``None``: ``1/sqrt(D)``).
         kernel: Local kernel name.
-        key_mask: ``None`` or a key padding mask ``[B or 1, H or 1, 1, T + S]`` over the full key
-            sequence (bool True = attend, or additive float).
+        key_mask: ``None`` or a mask ``[B or 1, H or 1, 1 or T + S_r, T + S]`` over the full key
+            sequence (bool True = attend, or additive float): a key padding mask, or the rows of this
+            rank's queries of a query-dependent mask.
 
     Returns:
         ``[B, H, T + S_r, D]``: this rank's rows of softmax(Q Kᵀ·scale + mask) V over all T + S keys.
@@ -127,8 +128,9 @@ def kv_gather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         kernel: Local kernel name.
         text_len: T (0: no text in the sequence).
         text_layout: ``"prefix"`` (text first) or ``"suffix"`` (text last); ignored when T = 0.
-        key_mask: ``None`` or a key padding mask ``[B or 1, H or 1, 1, T + S]`` over the full key
-            sequence in the same order (bool True = attend, or additive float).
+        key_mask: ``None`` or a mask ``[B or 1, H or 1, 1 or T + S_r, T + S]`` over the full key
+            sequence in the same order (bool True = attend, or additive float): a key padding mask, or
+            the rows of this rank's queries of a query-dependent mask.
 
     Returns:
         ``[B, H, T + S_r, D]``: this rank's rows of softmax(Q Kᵀ·scale + mask) V over all T + S keys.

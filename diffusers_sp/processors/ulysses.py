@@ -135,8 +135,10 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         kernel: Local kernel name (see :func:`~diffusers_sp.kernels.sdpa.local_attention`).
         text_len: T (0: no text in the sequence).
         text_layout: ``"prefix"`` (text first) or ``"suffix"`` (text last); ignored when T = 0.
-        key_mask: ``None`` or a key padding mask ``[B or 1, H or 1, 1, T + S]`` over the full key
-            sequence in the same order (bool True = attend, or additive float).
+        key_mask: ``None`` or a mask ``[B or 1, H or 1, 1 or T + S, T + S]`` over the full sequence in
+            the same order (bool True = attend, or additive float): a key padding mask, or a
+            query-dependent mask with the rows of every query (each rank attends all of them for its
+            heads).
 
     Returns:
         ``[B, H, T + S_r, D]``: this rank's rows of softmax(Q Kᵀ·scale + mask) V over all T + S keys;
@@ -419,6 +421,7 @@ class UlyssesAttnProcessor(SequenceParallelAttnProcessor):
 
     strategy = "ulysses"
     supports_kv_first = True
+    attends_all_queries = True  # every rank attends all T + S queries of its heads
 
     def start_attention(self, key, value, sizes, *, text_len=0, text_layout=None):
         return start_ulysses(key, value, sizes, self.state.group, copy_engine=text_len == 0 and self.use_copy_engine(key),

@@ -208,8 +208,11 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
 
     def parallel_attention(self, query, key, value, sizes, *, scale, text_len=0, text_layout=None, key_mask=None):
         if text_len or key_mask is not None:
+            what = "text tokens in its self-attention" if text_len else "an attention mask"
             raise SequenceParallelConfigError(
-                f"{type(self.inner).__name__}: VSA supports video self-attention without text tokens or masks.")
+                f"{type(self.inner).__name__}: VSA supports video self-attention without text tokens or masks, and "
+                f"this call has {what}, which VSA's tile selection cannot follow. Modes that would work: "
+                f"'ulysses', 'kv_gather', 'auto' (dense attention).")
         plan: TilePlan = self.state.extra["vsa"]
         layout, group = plan.layout, self.state.group
         V, N = layout.tile_volume, layout.num_tiles

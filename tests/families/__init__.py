@@ -5,7 +5,8 @@ A family's module (named after its family in :mod:`diffusers_sp.pipelines`) defi
 * ``FORWARDS``: ``{case: () -> (model, kwargs)}``: a tiny transformer built from its real config class
   with random weights, and forward arguments that make :data:`TOKENS` image/video tokens (a batch of
   two prompts of different lengths where the family takes a text mask). Every case is compared with
-  one process in every dense mode at world sizes 2 and 3 (``tests/test_families.py``).
+  one process in every dense mode at world sizes 2 and 3 (``tests/test_families.py``). An entry may
+  be a :class:`Forward` instead, to name its modes (``"vsa"`` for a video family that runs VSA).
 * ``PIPELINES``: ``{pipeline class name: Pipe(...)}``: a tiny pipeline and the call that makes it run a
   few steps; compared with one process the same way. Every pipeline class of the installed Diffusers
   built on a transformer that diffusers-sp runs must be here or refused with a reason
@@ -26,6 +27,34 @@ TOKENS = 35
 #: A batch of two prompts of different lengths (10 and 2 words): ragged text masks where the family
 #: takes one, and CFG folded into the batch where the pipeline does so.
 PROMPTS = ["a cat runs on the grass under the blue sky", "a dog"]
+
+
+#: The dense modes, in which every forward and pipeline case is compared with one process.
+DENSE_MODES = ("ulysses", "kv_gather")
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A forward case with the modes it is compared in.
+
+    Attributes:
+        build: ``() -> (model, kwargs)``, as a plain ``FORWARDS`` entry.
+        modes: Dense modes (compared with one process) and ``"vsa"``: video sparse attention under
+            each of its communication modes (``vsa_sp_mode``), compared with VSA on a one-rank group
+            (VSA is not dense attention, so one process's dense output is not its reference).
+        tokens: Image/video tokens of the split sequence, for a case whose layout cannot make
+            :data:`TOKENS` (e.g. frames in causal blocks); it too must divide neither 2 nor 3.
+    """
+
+    build: Callable
+    modes: tuple[str, ...] = DENSE_MODES
+    tokens: int = TOKENS
+
+
+def result_keys(modes) -> list[str]:
+    """The keys under which a case reports each of ``modes``: a dense mode as itself, ``"vsa"`` as
+    ``"vsa/ulysses"`` and ``"vsa/kv_gather"`` (its two communication modes)."""
+    return [k for m in modes for k in ((f"vsa/{s}" for s in DENSE_MODES) if m == "vsa" else (m,))]
 
 
 @dataclass(frozen=True)
@@ -54,7 +83,14 @@ def family_modules() -> list:
 
 def forward_cases() -> dict[str, Callable]:
     """``{"<family>_<case>": () -> (model, kwargs)}`` over every family module."""
-    return {f"{mod.__name__.rsplit('.', 1)[-1]}_{name}" if name else mod.__name__.rsplit('.', 1)[-1]: fn
+    return {name: f.build for name, f in forward_specs().items()}
+
+
+def forward_specs() -> dict[str, Forward]:
+    """``{"<family>_<case>": Forward}`` over every family module: the build, modes and token count of
+    each case (plain ``FORWARDS`` entries in the dense modes)."""
+    return {f"{mod.__name__.rsplit('.', 1)[-1]}_{name}" if name else mod.__name__.rsplit('.', 1)[-1]:
+            fn if isinstance(fn, Forward) else Forward(fn)
             for mod in family_modules() for name, fn in getattr(mod, "FORWARDS", {}).items()}
 
 
