@@ -9,7 +9,8 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
 Entries of a dict may also be :class:`SplitByDims`, :class:`SplitEach` (lists of tensors) or
-:class:`PrefixCount` (an int counting leading tokens).
+:class:`PrefixCount` (an int counting leading tokens) or :class:`SplitHead` (the split sequence followed
+by tokens every rank keeps whole).
 
 Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
 tokens and P ranks, rank r gets ``S // P + (r < S % P)`` tokens, in rank order. Tensors whose rank
@@ -101,6 +102,22 @@ class PrefixCount:
     ``start`` on: a prefix of every shard (empty on ranks past them), which is what the block's
     ``[:, :count]`` / ``[:, count:]`` slicing of its local tokens then selects. The argument must reach
     the module after the sequence was split in the same forward (its length is known then)."""
+
+
+@dataclass(frozen=True)
+class SplitHead:
+    """A plan entry for a tensor whose ``spec.split_dim`` holds the split sequence first and then tokens
+    that every rank keeps whole, e.g. HiDream's position ids over ``[image; text]`` and its single-stream
+    blocks' ``[image; text]`` key scale: of ``S + T`` entries (``S``, the sequence length set by a split
+    made earlier in the same forward), the first ``S`` are split like the sequence and the last ``T``
+    pass whole after them, so that the tensor lines up with the local ``[image shard; text]`` tokens.
+
+    Attributes:
+        spec: A ``ContextParallelInput`` (its ``expected_dims`` and ``split_dim``); tensors of another
+            number of dims pass whole.
+    """
+
+    spec: object
 
 
 @dataclass
@@ -213,6 +230,8 @@ class SequenceSplitHook(ModelHook):
     def _split_value(self, value, spec, what: str = "a tensor"):
         if isinstance(spec, PrefixCount):
             return self._prefix_count(value, what)
+        if isinstance(spec, SplitHead):
+            return self._split_head(value, spec.spec, what)
         if isinstance(spec, SplitEach):
             if not isinstance(value, (list, tuple)):
                 return value
@@ -225,6 +244,23 @@ class SequenceSplitHook(ModelHook):
                 return value
             return type(value)(self._split(v, s, what) for v, s in zip(value, spec))
         return self._split(value, spec, what)
+
+    def _split_head(self, x, spec, what: str):
+        """``x`` with its first ``seq_len`` entries along ``spec.split_dim`` split (see :class:`SplitHead`)."""
+        if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
+            return x
+        length, dim = self.state.seq_len, spec.split_dim
+        if length is None or x.shape[dim] < length:
+            # Every rank has the same full inputs, so every rank raises here alike.
+            why = ("no tensor was split before it in this forward, so the length of the split part is unknown "
+                   "(the sharding plan must split the sequence first)" if length is None else
+                   f"it is shorter than the split sequence ({length} tokens, from {(self.state.seq_source or ('an earlier split',))[0]})")
+            raise SequenceParallelConfigError(
+                f"{what} of shape {list(x.shape)} holds the split sequence followed by whole tokens along dim {dim}, "
+                f"but {why}.")
+        rest = x.narrow(dim, length, x.shape[dim] - length)
+        head = self._split(x.narrow(dim, 0, length), spec, what)
+        return torch.cat([head, rest], dim=dim) if rest.shape[dim] else head
 
     def _prefix_count(self, count, what: str):
         """This rank's part of ``count`` leading tokens (see :class:`PrefixCount`); non-ints pass as they are."""

@@ -133,3 +133,31 @@ def test_prefix_count_gives_each_rank_its_part_or_refuses():
     with pytest.raises(SequenceParallelConfigError, match="reordered"):
         hook._split_value(6, PrefixCount(), "n")
     assert hook._split_value(None, PrefixCount(), "n") is None
+
+
+def test_split_head_splits_the_sequence_and_keeps_the_rest_whole():
+    """SplitHead (HiDream's ``[image; text]`` position ids and key scale): the first ``seq_len`` entries
+    are split like the sequence, the text after them stays whole on every rank; before any split, or
+    with fewer entries than the split sequence, every rank refuses alike."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import SPGroup
+    from diffusers_sp.sharding import SequenceSplitHook, SequenceState, SplitHead
+
+    spec = SplitHead(ContextParallelInput(split_dim=1, expected_dims=3, split_output=False))
+    x = torch.arange(2 * 15 * 2).reshape(2, 15, 2)  # 11 image entries, then 4 text entries
+    parts = []
+    for rank in range(3):
+        state = SequenceState(SPGroup(None, rank, 3, "gloo"), seq_len=11)  # shards 4, 4, 3
+        parts.append(SequenceSplitHook({"ids": spec}, state)._split_value(x, spec, "ids"))
+    assert [p.shape[1] for p in parts] == [8, 8, 7]
+    assert torch.equal(torch.cat([p[:, :-4] for p in parts], dim=1), x[:, :11])
+    assert all(torch.equal(p[:, -4:], x[:, 11:]) for p in parts)
+    state = SequenceState(SPGroup(None, 1, 3, "gloo"), seq_len=11)
+    assert torch.equal(SequenceSplitHook({}, state)._split_value(x[:, :11], spec, "ids"), x[:, 4:8])  # no text
+    flat = x[0]
+    assert SequenceSplitHook({}, state)._split_value(flat, spec, "ids") is flat  # another number of dims: whole
+    with pytest.raises(SequenceParallelConfigError, match="shorter than the split sequence"):
+        SequenceSplitHook({}, state)._split_value(x[:, :9], spec, "ids")
+    with pytest.raises(SequenceParallelConfigError, match="no tensor was split before it"):
+        SequenceSplitHook({}, SequenceState(SPGroup(None, 0, 3, "gloo")))._split_value(x, spec, "ids")
