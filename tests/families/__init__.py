@@ -5,7 +5,8 @@ A family's module (named after its family in :mod:`diffusers_sp.pipelines`) defi
 * ``FORWARDS``: ``{case: () -> (model, kwargs)}``: a tiny transformer built from its real config class
   with random weights, and forward arguments that make :data:`TOKENS` image/video tokens (a batch of
   two prompts of different lengths where the family takes a text mask). Every case is compared with
-  one process in every dense mode at world sizes 2 and 3 (``tests/test_families.py``).
+  one process in every dense mode at world sizes 2 and 3 (``tests/test_families.py``). A case whose
+  model splits another number of tokens (a model that pads its sequence) is a :class:`Forward`.
 * ``PIPELINES``: ``{pipeline class name: Pipe(...)}``: a tiny pipeline and the call that makes it run a
   few steps; compared with one process the same way. Every pipeline class of the installed Diffusers
   built on a transformer that diffusers-sp runs must be here or refused with a reason
@@ -47,15 +48,39 @@ class Pipe:
     modes: tuple[str, ...] = ("ulysses", "kv_gather")
 
 
+@dataclass(frozen=True)
+class Forward:
+    """A forward case whose split sequence is not :data:`TOKENS` long (e.g. a model that pads its tokens
+    to a multiple of 32, or to the longest resolution of its config).
+
+    Attributes:
+        build: ``() -> (model, kwargs)``, as a plain ``FORWARDS`` entry.
+        tokens: Length of the sequence the model's plan splits in this forward.
+    """
+
+    build: Callable
+    tokens: int = TOKENS
+
+
 def family_modules() -> list:
     """Every family config module of this package, by name."""
     return [importlib.import_module(f"{__name__}.{m.name}") for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)]
 
 
+def _forwards() -> dict[str, Forward]:
+    return {f"{mod.__name__.rsplit('.', 1)[-1]}_{name}" if name else mod.__name__.rsplit('.', 1)[-1]:
+            case if isinstance(case, Forward) else Forward(case)
+            for mod in family_modules() for name, case in getattr(mod, "FORWARDS", {}).items()}
+
+
 def forward_cases() -> dict[str, Callable]:
     """``{"<family>_<case>": () -> (model, kwargs)}`` over every family module."""
-    return {f"{mod.__name__.rsplit('.', 1)[-1]}_{name}" if name else mod.__name__.rsplit('.', 1)[-1]: fn
-            for mod in family_modules() for name, fn in getattr(mod, "FORWARDS", {}).items()}
+    return {name: case.build for name, case in _forwards().items()}
+
+
+def forward_tokens() -> dict[str, int]:
+    """``{"<family>_<case>": tokens the forward splits}`` (:data:`TOKENS` unless a :class:`Forward` says)."""
+    return {name: case.tokens for name, case in _forwards().items()}
 
 
 def pipeline_cases() -> dict[str, Pipe]:
