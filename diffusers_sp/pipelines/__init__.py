@@ -140,6 +140,7 @@ def plan_without(plan: dict, drop: dict) -> dict:
 def _registry() -> tuple[FamilySpec, ...]:
     from .cogvideox import COGVIDEOX
     from .flux import FLUX
+    from .hidream import HIDREAM
     from .hunyuan_video import HUNYUAN_VIDEO
     from .ltx import LTX
     from .mochi import MOCHI
@@ -147,7 +148,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .sd3 import SD3
     from .wan import WAN
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, HIDREAM)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
