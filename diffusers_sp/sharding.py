@@ -84,9 +84,10 @@ class SplitByDims:
 
 @dataclass(frozen=True)
 class SplitEach:
-    """A plan entry for an argument holding a list (or tuple) of tensors, each split by ``spec``
-    (a ``ContextParallelInput``), e.g. ControlNet residuals: one ``[B, S, C]`` tensor per block,
-    added to the image tokens."""
+    """A plan entry for an argument holding a list (or tuple) of tensors, or a dict whose values are
+    tensors, each split by ``spec`` (a ``ContextParallelInput``), e.g. ControlNet residuals: one
+    ``[B, S, C]`` tensor per block, added to the image tokens (a dict ``{block index: tensor}`` in
+    Z-Image's ``controlnet_block_samples``)."""
 
     spec: object
 
@@ -233,6 +234,8 @@ class SequenceSplitHook(ModelHook):
         if isinstance(spec, SplitHead):
             return self._split_head(value, spec.spec, what)
         if isinstance(spec, SplitEach):
+            if isinstance(value, dict):
+                return {k: self._split(v, spec.spec, f"{what}[{k!r}]") for k, v in value.items()}
             if not isinstance(value, (list, tuple)):
                 return value
             return type(value)(self._split(v, spec.spec, f"{what}[{i}]") for i, v in enumerate(value))

@@ -161,3 +161,19 @@ def test_split_head_splits_the_sequence_and_keeps_the_rest_whole():
         SequenceSplitHook({}, state)._split_value(x[:, :9], spec, "ids")
     with pytest.raises(SequenceParallelConfigError, match="no tensor was split before it"):
         SequenceSplitHook({}, SequenceState(SPGroup(None, 0, 3, "gloo")))._split_value(x, spec, "ids")
+
+
+def test_split_each_splits_the_values_of_a_dict():
+    """SplitEach on a dict ``{block index: [B, S, C]}`` (Z-Image's ControlNet residuals): every value
+    is split like the sequence, keys kept; a list is split as before."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import SPGroup
+    from diffusers_sp.sharding import SequenceSplitHook, SequenceState, SplitEach
+
+    spec = SplitEach(ContextParallelInput(split_dim=1, expected_dims=3, split_output=False))
+    residuals = {0: torch.randn(2, 11, 4), 3: torch.randn(2, 11, 4)}
+    hook = SequenceSplitHook({}, SequenceState(SPGroup(None, 2, 3, "gloo")))  # shards 4, 4, 3: rank 2 has 8:11
+    out = hook._split_value(residuals, spec, "controlnet_block_samples")
+    assert list(out) == [0, 3] and all(torch.equal(out[k], residuals[k][:, 8:]) for k in out)
+    assert [t.shape[1] for t in hook._split_value(list(residuals.values()), spec, "r")] == [3, 3]
