@@ -9,6 +9,7 @@ per-head masks); error cases check the refusals.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
@@ -32,21 +33,27 @@ def _ragged_mask(lengths, total):
     return (torch.arange(total)[None, :] < torch.tensor(lengths)[:, None]).long()
 
 
+def _sample(out) -> torch.Tensor:
+    """A forward's ``sample``; a list of per-sample tensors (Z-Image's) stacked."""
+    sample = out.sample
+    return torch.stack(list(sample)) if isinstance(sample, (list, tuple)) else sample
+
+
 def _forward_all_modes(model, kwargs, modes=MODES) -> dict:
     with torch.no_grad():
-        ref = model(**kwargs).sample
+        ref = _sample(model(**kwargs))
         results = {}
         for mode in modes:
             handle = enable_sequence_parallel(model, mode=mode)
             try:
-                results[mode] = compare(ref, model(**kwargs).sample)
+                results[mode] = compare(ref, _sample(model(**kwargs)))
                 results[mode]["resolved"] = handle.mode
                 # Proof that the forward really ran split: the image length the hooks saw, the wrapped modules.
                 results[mode]["seq_len"] = handle._models[0].state.seq_len
                 results[mode]["wrapped"] = len(handle._models[0].processors)
             finally:
                 handle.disable()
-        results["restored_bitwise"] = torch.equal(model(**kwargs).sample, ref)
+        results["restored_bitwise"] = torch.equal(_sample(model(**kwargs)), ref)
     return results
 
 
@@ -153,7 +160,7 @@ def _default_call(pipe) -> dict:
     2 steps, latents out; only those the pipeline's ``__call__`` takes (VisualCloze takes a
     ``task_prompt`` and a ``content_prompt`` instead of ``prompt``)."""
     params = inspect.signature(type(pipe).__call__).parameters
-    call = dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent")
+    call = dict(prompt=list(families.PROMPTS), num_inference_steps=2, output_type="latent")
     return {k: v for k, v in call.items() if k in params}
 
 
@@ -164,7 +171,10 @@ def _pipeline_case(name: str) -> dict:
     call.update(spec.call())
 
     def run():
-        return _first_tensor(pipe(**call, generator=torch.Generator().manual_seed(0)))
+        # A fresh copy of the arguments per call: a pipeline may change them in place (Z-Image's
+        # _encode_prompt replaces each prompt of the list by its chat-templated text), and the next
+        # call (or the next case, for families.PROMPTS) would then get other prompts.
+        return _first_tensor(pipe(**copy.deepcopy(call), generator=torch.Generator().manual_seed(0)))
 
     ref = run()
     results = {}
