@@ -147,8 +147,9 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .qwenimage import QWENIMAGE
     from .sd3 import SD3
     from .wan import WAN
+    from .z_image import Z_IMAGE
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, HIDREAM)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, HIDREAM, Z_IMAGE)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
