@@ -16,7 +16,7 @@ from .copy_engine import TRANSPORTS, copy_engine_unavailable_reason, head_group_
 from .groups import SPGroup, resolve_group, world_size_for
 from .kernels.sdpa import KERNELS
 from .pipelines import resolve_target, transformers_of
-from .processors import PROCESSORS
+from .processors import PROCESSORS, SplitKVAttnProcessor
 from .processors.base import PARALLEL_CALL
 from .processors.vsa import VSA_DEFAULTS, TileOrderHook, VideoSparseAttnProcessor, load_gate_weights
 from .sharding import SequenceState, apply_plan, remove_hooks
@@ -582,10 +582,15 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
                 TileOrderHook(state, family.latent_grid, vsa["tile"]), hook_name)
             installed.hooks.append((model, hook_name))
         dispatch = family.attention_call == "dispatch"
-        for layer, (name, module) in enumerate(family.attention_modules(model)):
+        modules = [(name, module, layer) for layer, (name, module) in enumerate(family.attention_modules(model))]
+        if family.split_kv_attention_modules is not None:  # whole queries over split K/V: K/V-gather in every mode
+            modules += [(name, module, None) for name, module in family.split_kv_attention_modules(model)]
+        for name, module, layer in modules:
             inner = module.processor
             saved = {k: getattr(inner, k) for k in _PROCESSOR_ATTRIBUTES if hasattr(inner, k)}
-            if vsa is None:
+            if layer is None:
+                processor = SplitKVAttnProcessor(inner, state, kernel=opts["attention_kernel"], dispatch=dispatch)
+            elif vsa is None:
                 processor = processor_cls(inner, state, kernel=opts["attention_kernel"], transport=transport,
                                           head_groups=groups_opt, kv_first=kv_first, dispatch=dispatch)
             else:

@@ -88,7 +88,7 @@ def choose_cfg_parallel(family: str | None, world_size: int, sp_degree: int | No
     prompt) keep it off.
     """
     if not cfg_capable:
-        return False, "no classifier-free guidance in this target"
+        return False, "no CFG strategy is declared for this model family"
     if not cfg_by_default:
         return False, (f"{family} pipelines run without classifier-free guidance by default; pass "
                        f"cfg_parallel=True for calls with true CFG")

@@ -91,8 +91,9 @@ def resolve_layout(name: str, world_size: int, *, cfg_parallel=False, sp_degree:
     elif cfg_parallel:
         if not cfg_capable:
             raise SequenceParallelConfigError(
-                f"{name}: cfg_parallel=True, but this target has no classifier-free guidance to split; "
-                f"use cfg_parallel=False.")
+                f"{name}: cfg_parallel=True is not available for this model family: how its pipelines run "
+                f"classifier-free guidance (two transformer calls per step, or both passes in one batch) is not "
+                f"declared for it; use cfg_parallel=False.")
         if world_size % 2:
             raise SequenceParallelConfigError(
                 f"{name}: cfg_parallel=True needs an even number of ranks (one CFG group for the "

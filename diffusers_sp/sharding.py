@@ -9,8 +9,8 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
 Entries of a dict may also be :class:`SplitByDims`, :class:`SplitEach` (lists of tensors) or
-:class:`PrefixCount` (an int counting leading tokens) or :class:`SplitHead` (the split sequence followed
-by tokens every rank keeps whole).
+:class:`PrefixCount` / :class:`TailCount` (an int counting leading / last tokens) or :class:`SplitHead`
+(the split sequence followed by tokens every rank keeps whole).
 
 Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
 tokens and P ranks, rank r gets ``S // P + (r < S % P)`` tokens, in rank order. Tensors whose rank
@@ -74,10 +74,11 @@ class TokenOrder:
 
 @dataclass(frozen=True)
 class SplitByDims:
-    """A plan entry for an argument a model accepts in several layouts: ``options`` are
+    """A plan entry for an argument (or output) a model has in several layouts: ``options`` are
     ``ContextParallelInput`` specs with different ``expected_dims``; the one matching the tensor's
     number of dims splits it (none: it passes whole). E.g. Flux's ``img_ids``, ``[S, 3]`` or the
-    deprecated ``[B, S, 3]``."""
+    deprecated ``[B, S, 3]``; LTX-2's RoPE tables, ``[B, S, D]`` (interleaved) or ``[B, H, S, D / 2]``
+    (split)."""
 
     options: tuple
 
@@ -103,6 +104,18 @@ class PrefixCount:
     ``start`` on: a prefix of every shard (empty on ranks past them), which is what the block's
     ``[:, :count]`` / ``[:, count:]`` slicing of its local tokens then selects. The argument must reach
     the module after the sequence was split in the same forward (its length is known then)."""
+
+
+@dataclass(frozen=True)
+class TailCount:
+    """A plan entry for an integer argument that counts the last tokens of the split sequence: each rank
+    receives how many of those tokens its own shard holds (:class:`PrefixCount` from the other end).
+
+    E.g. Helios' ``original_context_length``: its blocks see ``[history; chunk]`` and cut the chunk being
+    denoised off the history with it (``length - count``; the history skips the cross-attention, and its
+    keys may be scaled). Shards are contiguous and in rank order, so each shard is ``[its history tokens;
+    its chunk tokens]``, either part possibly empty, and the cut falls where the block makes it. The
+    argument must reach the module after the sequence was split in the same forward."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,12 @@ class SequenceState:
             split hooks; ``None`` before the forward's first split (reset by
             :class:`SequenceForwardHook` when the model's forward begins).
         seq_source: What set :attr:`seq_len`, ``(description, shape, dim)``; formatted only for an error.
+        inputs_split: Whether a forward argument of a submodule (not an output, such as a RoPE table) was
+            split in the current forward (reset with :attr:`seq_len`). Until then the tokens flowing
+            through the model are whole on every rank: a marked attention call of dispatch mode made
+            before it (MiniMax-H3's text refiner, before its plan splits the packed sequence at the first
+            block) runs as one process runs it (see
+            :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`).
         extra: Family-specific per-forward values (for example the text length of joint attention).
         order: ``None`` (shards of the sequence as it is) or a :class:`TokenOrder` for the current
             forward, set by a hook of the mode that needs it (VSA).
@@ -144,6 +163,7 @@ class SequenceState:
     owner: str = ""
     seq_len: int | None = None
     seq_source: tuple = ()
+    inputs_split: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     order: TokenOrder | None = None
     check: Callable[[], None] | None = None
@@ -222,15 +242,23 @@ class SequenceSplitHook(ModelHook):
                 continue
             what = f"argument {name!r} of {type(module).__name__}"
             if name in kwargs:
-                kwargs[name] = self._split_value(kwargs[name], spec, what)
+                old = kwargs[name]
+                new = kwargs[name] = self._split_value(old, spec, what)
             elif name in self._params and self._params.index(name) < len(args):
                 i = self._params.index(name)
-                args[i] = self._split_value(args[i], spec, what)
+                old = args[i]
+                new = args[i] = self._split_value(old, spec, what)
+            else:
+                continue
+            if new is not old and not isinstance(spec, (PrefixCount, TailCount)):
+                self.state.inputs_split = True
         return tuple(args), kwargs
 
     def _split_value(self, value, spec, what: str = "a tensor"):
         if isinstance(spec, PrefixCount):
             return self._prefix_count(value, what)
+        if isinstance(spec, TailCount):
+            return self._tail_count(value, what)
         if isinstance(spec, SplitHead):
             return self._split_head(value, spec.spec, what)
         if isinstance(spec, SplitEach):
@@ -282,6 +310,25 @@ class SequenceSplitHook(ModelHook):
         rank = state.group.rank
         return max(0, min(count - sum(sizes[:rank]), sizes[rank]))
 
+    def _tail_count(self, count, what: str):
+        """This rank's part of the last ``count`` tokens (see :class:`TailCount`): its shard less its part of
+        the tokens before them; non-ints pass as they are."""
+        if not isinstance(count, int) or isinstance(count, bool):
+            return count
+        state = self.state
+        if state.seq_len is None or state.order is not None:
+            why = ("before any sequence tensor was split in this forward" if state.seq_len is None
+                   else "with the tokens reordered for the mode's tiles, where they are not a suffix of each shard")
+            raise SequenceParallelConfigError(
+                f"{what} counts the last tokens of the sequence, which cannot be split {why}; use a dense mode "
+                f"('ulysses' or 'kv_gather') and a sharding plan that splits the tokens before this module.")
+        if not 0 <= count <= state.seq_len:
+            source, shape, dim = state.seq_source
+            raise SequenceParallelConfigError(
+                f"inputs disagree on the sequence length: {what} is {count}, a count of the last tokens of the "
+                f"{state.seq_len} of {source} of shape {list(shape)} (dim {dim}).")
+        return state.shard_sizes()[state.group.rank] - self._prefix_count(state.seq_len - count, what)
+
     def post_forward(self, module, output):
         out_specs = {k: v for k, v in self.entries.items() if isinstance(k, int)}
         if not out_specs:
@@ -289,7 +336,7 @@ class SequenceSplitHook(ModelHook):
         single = torch.is_tensor(output)
         items = [output] if single else list(output)
         for index, spec in out_specs.items():
-            items[index] = self._split(items[index], spec, f"output {index} of {type(module).__name__}")
+            items[index] = self._split_value(items[index], spec, f"output {index} of {type(module).__name__}")
         return items[0] if single else type(output)(items)
 
 
@@ -313,7 +360,7 @@ class SequenceForwardHook(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         if self.state.check is not None:
             self.state.check()
-        self.state.seq_len, self.state.seq_source = None, ()
+        self.state.seq_len, self.state.seq_source, self.state.inputs_split = None, (), False
         for name, why in self.refuse.items():
             i = self._params.index(name) if name in self._params else len(args)
             value = kwargs.get(name, args[i] if i < len(args) else None)

@@ -33,27 +33,32 @@ def _ragged_mask(lengths, total):
     return (torch.arange(total)[None, :] < torch.tensor(lengths)[:, None]).long()
 
 
-def _sample(out) -> torch.Tensor:
-    """A forward's ``sample``; a list of per-sample tensors (Z-Image's) stacked."""
+def _model_output(out) -> torch.Tensor:
+    """A transformer's output to compare: ``sample``, followed by ``audio_sample`` where the model returns
+    one (LTX-2's audio stream, computed whole on every rank), flattened and joined; a ``sample`` that is a
+    list of per-sample tensors (Z-Image's) is stacked."""
     sample = out.sample
-    return torch.stack(list(sample)) if isinstance(sample, (list, tuple)) else sample
+    if isinstance(sample, (list, tuple)):
+        sample = torch.stack(list(sample))
+    audio = getattr(out, "audio_sample", None)
+    return sample if audio is None else torch.cat([sample.flatten(), audio.flatten()])
 
 
 def _forward_all_modes(model, kwargs, modes=MODES) -> dict:
     with torch.no_grad():
-        ref = _sample(model(**kwargs))
+        ref = _model_output(model(**kwargs))
         results = {}
         for mode in modes:
             handle = enable_sequence_parallel(model, mode=mode)
             try:
-                results[mode] = compare(ref, _sample(model(**kwargs)))
+                results[mode] = compare(ref, _model_output(model(**kwargs)))
                 results[mode]["resolved"] = handle.mode
                 # Proof that the forward really ran split: the image length the hooks saw, the wrapped modules.
                 results[mode]["seq_len"] = handle._models[0].state.seq_len
                 results[mode]["wrapped"] = len(handle._models[0].processors)
             finally:
                 handle.disable()
-        results["restored_bitwise"] = torch.equal(_sample(model(**kwargs)), ref)
+        results["restored_bitwise"] = torch.equal(_model_output(model(**kwargs)), ref)
     return results
 
 
@@ -125,6 +130,37 @@ def case_functional_no_text():
     return _functional(0, None, None, heads=4)
 
 
+def case_functional_split_kv():
+    """Whole queries over keys and values split along the sequence (LTX-2's video-to-audio attention) through
+    SplitKVAttnProcessor: no mask, a boolean key padding mask, an additive mask that varies with the query
+    (exact here: every rank holds every query row), a per-head one; and a call whose keys are not this rank's
+    shard, refused alike on every rank."""
+    from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoAttnProcessor
+
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors import SplitKVAttnProcessor
+    from diffusers_sp.sharding import SequenceState, shard
+
+    group = resolve_group()
+    g = _gen(9)
+    B, H, Lq, S, D = 2, 3, 9, 35, 8
+    q = torch.randn(B, H, Lq, D, generator=g)
+    k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(2))
+    keep = torch.rand(B, 1, 1, S, generator=g) > 0.3
+    masks = {"none": None, "bool_key_padding": keep,
+             "float_per_query": torch.randn(B, 1, Lq, S, generator=g),
+             "bool_per_head": torch.rand(B, H, 1, S, generator=g) > 0.3}
+    processor = SplitKVAttnProcessor(LTX2AudioVideoAttnProcessor(), SequenceState(group, seq_len=S))
+    lk, lv = (shard(t, 2, group.rank, group.world_size) for t in (k, v))
+    out = {}
+    for name, mask in masks.items():
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        local_mask = None if mask is None else shard(mask, 3, group.rank, group.world_size)
+        out[name] = compare(ref, processor._attend(q, lk, lv, attn_mask=local_mask))
+    out["wrong_length"] = error_of(lambda: processor._attend(q, k, v))
+    return out
+
+
 # ------------------------------------------------------------------ every family's forwards and pipelines
 # (the tiny configs of tests/families/; one case per forward and per pipeline, defined below)
 
@@ -155,26 +191,35 @@ def _first_tensor(out):
     return next(torch.as_tensor(v) for v in values if torch.is_tensor(v))
 
 
-def _default_call(pipe) -> dict:
-    """The arguments every pipeline case passes unless its config gives them: the two ragged prompts,
-    2 steps, latents out; only those the pipeline's ``__call__`` takes (VisualCloze takes a
-    ``task_prompt`` and a ``content_prompt`` instead of ``prompt``)."""
-    params = inspect.signature(type(pipe).__call__).parameters
-    call = dict(prompt=list(families.PROMPTS), num_inference_steps=2, output_type="latent")
-    return {k: v for k, v in call.items() if k in params}
+def _output_tensors(out) -> torch.Tensor:
+    """A pipeline output to compare: its latents (:func:`_first_tensor`), followed by every other tensor it
+    holds (LTX-2's audio latents, computed whole on every rank; DFR's keyframe latents), flattened and joined."""
+    first = _first_tensor(out)
+    rest = [v for v in (out.values() if isinstance(out, dict) else ()) if torch.is_tensor(v) and v is not first]
+    return torch.cat([first.flatten()] + [v.flatten() for v in rest]) if rest else first
+
+
+def _call_kwargs(pipe, spec) -> dict:
+    """The kwargs of a case's pipeline call: ``prompt``, ``num_inference_steps=2`` and ``output_type="latent"``
+    where the pipeline's ``__call__`` takes them (LTX-2's DFR pipelines take ``sigmas`` instead of a step
+    count), then the case's own."""
+    takes = inspect.signature(type(pipe).__call__).parameters
+    call = {k: v for k, v in dict(prompt=list(families.PROMPTS), num_inference_steps=2, output_type="latent").items()
+            if k in takes}
+    call.update(spec.call())
+    return call
 
 
 def _pipeline_case(name: str) -> dict:
     spec = families.pipeline_cases()[name]
     pipe = _pipe(name)
-    call = _default_call(pipe)
-    call.update(spec.call())
+    call = _call_kwargs(pipe, spec)
 
     def run():
         # A fresh copy of the arguments per call: a pipeline may change them in place (Z-Image's
         # _encode_prompt replaces each prompt of the list by its chat-templated text), and the next
         # call (or the next case, for families.PROMPTS) would then get other prompts.
-        return _first_tensor(pipe(**copy.deepcopy(call), generator=torch.Generator().manual_seed(0)))
+        return _output_tensors(pipe(**copy.deepcopy(call), generator=torch.Generator().manual_seed(0)))
 
     ref = run()
     results = {}
@@ -196,8 +241,7 @@ def _refusal_case(name: str) -> str:
     if spec.call is None:
         return error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather"))
     enable_sequence_parallel(pipe, mode="kv_gather")
-    call = _default_call(pipe)
-    call.update(spec.call())
+    call = _call_kwargs(pipe, spec)
     try:
         return error_of(lambda: pipe(**call, generator=torch.Generator().manual_seed(0)))
     finally:
@@ -265,6 +309,31 @@ def case_error_query_dependent_mask():
                           txt_ids=torch.zeros(7, 3), joint_attention_kwargs={"attention_mask": mask})
             handle._models[0].state.seq_len = 35  # shard sizes are known before the first forward here
             out[mode] = error_of(call)
+        finally:
+            handle.disable()
+    return out
+
+
+def case_error_cp_plan_text_in_marked_call():
+    """A transformer without a family module runs through its Diffusers _cp_plan, which does not say where
+    text joined inside an attention call sits: Flux.2 (text first in every attention call), as a
+    subclass no family names. The forward is refused on every rank alike (the message holds the text
+    length, not the rank's shard), in both modes; ChronoEdit and MiniMax-H3 run that path exactly."""
+    from diffusers import Flux2Transformer2DModel
+
+    from diffusers_sp.pipelines import family_for_model
+
+    class Flux2WithoutFamily(Flux2Transformer2DModel):
+        pass
+
+    model, kwargs = families.forward_cases()["flux2"]()
+    model.__class__ = Flux2WithoutFamily
+    out = {"family": family_for_model(model).name}
+    for mode in MODES:
+        handle = enable_sequence_parallel(model, mode=mode)
+        try:
+            with torch.no_grad():
+                out[mode] = error_of(lambda: model(**kwargs))
         finally:
             handle.disable()
     return out

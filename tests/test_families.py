@@ -36,6 +36,16 @@ def test_joint_attention_strategies_exact(results, case):
             assert_close(v[f"{mode} start/finish"], f"P={P} rank {rank} {case} {mode} start/finish")
 
 
+def test_whole_queries_over_split_keys_exact(results):
+    P, res = results
+    per_rank = values(res, "functional_split_kv")
+    assert len({v["wrong_length"] for v in per_rank}) == 1
+    for rank, v in enumerate(per_rank):
+        for mask in ("none", "bool_key_padding", "float_per_query", "bool_per_head"):
+            assert_close(v[mask], f"P={P} rank {rank} split K/V {mask}")
+        assert "this rank's shard" in v["wrong_length"], v["wrong_length"]
+
+
 @pytest.mark.parametrize("case", FORWARDS)
 def test_transformer_forward_equals_one_process(results, case):
     P, res = results
@@ -80,6 +90,18 @@ def test_query_dependent_mask_raises_on_every_rank(results):
         assert len(per_rank) == 1, per_rank
         msg = per_rank.pop()
         assert "depends on the query position" in msg and "key padding" in msg, msg
+
+
+def test_cp_plan_path_refuses_text_in_a_marked_call(results):
+    P, res = results
+    got = values(res, "error_cp_plan_text_in_marked_call")
+    assert got[0]["family"] == "cp_plan:Flux2WithoutFamily"
+    for mode in MODES:
+        msgs = {v[mode] for v in got}
+        assert len(msgs) == 1, msgs  # the same on every rank
+        msg = msgs.pop()
+        assert "Flux2WithoutFamily: Flux2AttnProcessor" in msg and "also holds 8 other tokens" in msg, msg
+        assert f"35 tokens over {P} ranks" in msg and "its Diffusers _cp_plan lacks" in msg, msg
 
 
 def test_fewer_heads_than_ranks(results):

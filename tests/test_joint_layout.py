@@ -135,6 +135,60 @@ def test_prefix_count_gives_each_rank_its_part_or_refuses():
     assert hook._split_value(None, PrefixCount(), "n") is None
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("count", [0, 1, 15, 20, 35])
+def test_tail_count_is_each_ranks_share_of_the_last_tokens(world, count):
+    """TailCount (Helios' original_context_length): each rank gets how many of the sequence's last
+    ``count`` tokens its shard holds; the shards' shares add up to ``count``."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import SPGroup
+    from diffusers_sp.sharding import SequenceSplitHook, SequenceState, TailCount, balanced_sizes
+
+    class Block(torch.nn.Module):
+        def forward(self, hidden_states, original_context_length=None):
+            return hidden_states
+
+    shares = []
+    for rank in range(world):
+        state = SequenceState(SPGroup(None, rank, world, "gloo"))
+        hook = SequenceSplitHook({"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
+                                  "original_context_length": TailCount()}, state)
+        hook.initialize_hook(Block())
+        (hidden, share), _ = hook.pre_forward(Block(), torch.zeros(1, 35, 2), count)
+        sizes = balanced_sizes(35, world)
+        start = sum(sizes[:rank])
+        assert hidden.shape[1] == sizes[rank] and state.inputs_split
+        assert share == len(set(range(start, start + sizes[rank])) & set(range(35 - count, 35)))
+        shares.append(share)
+    assert sum(shares) == count
+    with pytest.raises(SequenceParallelConfigError, match="inputs disagree"):
+        hook.pre_forward(Block(), torch.zeros(1, 35, 2), 36)
+    with pytest.raises(SequenceParallelConfigError, match="last tokens .* before any sequence tensor was split"):
+        SequenceSplitHook({}, SequenceState(SPGroup(None, 0, world, "gloo")))._split_value(3, TailCount(), "n")
+
+
+def test_helios_needs_two_blocks():
+    import families
+
+    model, _ = families.forward_cases()["helios_history"]()
+    model.blocks = model.blocks[:1]
+    with pytest.raises(SequenceParallelConfigError, match="at least 2 blocks"):
+        enable_sequence_parallel(model, mode="kv_gather")
+
+
+def test_models_with_a_cp_plan_and_no_family_module_run_through_it():
+    """ChronoEdit and MiniMax-H3 run through their Diffusers _cp_plan (their forward cases in
+    tests/families/ compare them with one process); Flux.2 and Helios have family modules."""
+    import families
+
+    for case in ("chronoedit_image_context", "minimax_h3_packed", "flux2", "helios_history"):
+        model, _ = families.forward_cases()[case]()
+        name = family_for_model(model).name
+        assert name == (f"cp_plan:{type(model).__name__}" if case.startswith(("chronoedit", "minimax")) else
+                        case.split("_")[0]), (case, name)
+
+
 def test_split_head_splits_the_sequence_and_keeps_the_rest_whole():
     """SplitHead (HiDream's ``[image; text]`` position ids and key scale): the first ``seq_len`` entries
     are split like the sequence, the text after them stays whole on every rank; before any split, or

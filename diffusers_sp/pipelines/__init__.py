@@ -40,6 +40,12 @@ class FamilySpec:
         sharding_plan: ``model -> plan`` in ``_cp_plan`` format (see :mod:`diffusers_sp.sharding`).
         attention_modules: ``model -> [(qualified name, module)]``: the self-attention modules whose
             processors are wrapped (cross-attention over the replicated text is left alone).
+        split_kv_attention_modules: ``None`` or ``model -> [(qualified name, module)]``: attention
+            modules whose queries are whole on every rank while their keys and values are this rank's
+            shard of the split sequence (LTX-2's video-to-audio attention: replicated audio queries
+            over the split video). Their calls gather K and V in every mode
+            (:class:`~diffusers_sp.processors.kv_gather.SplitKVAttnProcessor`); found like
+            :attr:`attention_call` says.
         joint_text: Where text tokens sit in the family's self-attention sequence: ``None`` (text
             only in cross-attention, or no text), ``"prefix"`` or ``"suffix"`` (copied into every
             model's :class:`ModelTraits`).
@@ -73,6 +79,7 @@ class FamilySpec:
     patch_size: Callable[[torch.nn.Module], tuple[int, ...]]
     sharding_plan: Callable[[torch.nn.Module], dict]
     attention_modules: Callable[[torch.nn.Module], list]
+    split_kv_attention_modules: Callable[[torch.nn.Module], list] | None = None
     joint_text: str | None = None
     text_mask: bool = False
     modes: tuple[str, ...] = ("ulysses", "kv_gather")
@@ -140,16 +147,19 @@ def plan_without(plan: dict, drop: dict) -> dict:
 def _registry() -> tuple[FamilySpec, ...]:
     from .cogvideox import COGVIDEOX
     from .flux import FLUX
+    from .flux2 import FLUX2
+    from .helios import HELIOS
     from .hidream import HIDREAM
     from .hunyuan_video import HUNYUAN_VIDEO
     from .ltx import LTX
+    from .ltx2 import LTX2
     from .mochi import MOCHI
     from .qwenimage import QWENIMAGE
     from .sd3 import SD3
     from .wan import WAN
     from .z_image import Z_IMAGE
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, MOCHI, FLUX, SD3, QWENIMAGE, HIDREAM, Z_IMAGE)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, HIDREAM, Z_IMAGE)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

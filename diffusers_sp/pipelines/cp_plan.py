@@ -11,12 +11,16 @@ attention processor say which of its attention calls are context-parallel: it pa
   :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`): the calls the model marks run
   in parallel, the others run as they are.
 
-Such a model runs exactly when its marked calls hold only this rank's tokens of the split sequence.
-Anything else is refused at the call, on every rank alike, with a SequenceParallelConfigError that
-says what the plan lacks: text tokens inside a marked call (where they sit is not in the plan),
-tensors of different lengths split by the plan (text the plan splits under a name not recognized as
-text), or a processor that does not call ``dispatch_attention_fn``. A model with such needs gets a
-short family module instead (Flux2, LTX-2).
+Such a model runs exactly when its marked calls hold only this rank's tokens of the split sequence,
+or come before the plan splits any forward argument: Diffusers hands its config to every attention
+processor of the model, also to those over tokens every rank holds in full (MiniMax-H3's text
+refiner, which runs before its plan splits the packed sequence at the first block), and such a call
+runs as it is. Anything else is refused at the call, on every rank alike, with a
+SequenceParallelConfigError that says what the plan lacks: text tokens inside a marked call (where
+they sit is not in the plan), tensors of different lengths split by the plan (text the plan splits
+under a name not recognized as text), or a processor that does not call ``dispatch_attention_fn``.
+A model with such needs gets a short family module instead (Flux.2, LTX-2), as does one whose plan
+does not fit its model (Helios: its plan names 40 blocks and gathers after every sub-module).
 """
 
 from __future__ import annotations

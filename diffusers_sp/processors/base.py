@@ -111,14 +111,17 @@ def gather_key_padding_mask(mask: torch.Tensor | None, text_len: int, text_layou
 
     Args:
         mask: ``None`` or ``[B or 1, H or 1, 1, text_len + sizes[rank]]``: replicated text part and
-            this rank's image part, in the family's order (see :func:`split_text_image`).
+            this rank's image part, in the family's order (see :func:`split_text_image`). Dim 2 may
+            also hold every query row (whole queries over split keys,
+            :class:`~diffusers_sp.processors.kv_gather.SplitKVAttnProcessor`): only dim 3 is gathered.
         text_len, text_layout: The joint layout.
         sizes: Image tokens per rank.
         group: The sequence-parallel group.
 
     Returns:
-        ``None`` or ``[B or 1, H or 1, 1, text_len + sum(sizes)]`` with the image part of every rank in
-        rank order (one small all-gather; booleans travel as uint8), same dtype as ``mask``.
+        ``None`` or ``[B or 1, H or 1, 1, text_len + sum(sizes)]`` (dim 2 as given) with the image
+        part of every rank in rank order (one small all-gather; booleans travel as uint8), same dtype
+        as ``mask``.
     """
     if mask is None or group.world_size == 1:
         return mask
@@ -348,8 +351,14 @@ class SequenceParallelAttnProcessor:
                   enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
         """``dispatch_attention_fn`` as the model's processor sees it in dispatch mode: calls marked
         :data:`PARALLEL_CALL` (``[B, S, H, D]``) run through the strategy, the others go to Diffusers'
-        dispatcher unchanged (with no parallel config)."""
-        if parallel_config is not PARALLEL_CALL:
+        dispatcher unchanged (with no parallel config).
+
+        A marked call made before the plan split any forward argument in this forward
+        (``SequenceState.inputs_split``) also runs unchanged: its tokens are whole on every rank, so the
+        call is the one a single process makes. Diffusers hands its context-parallel config to every
+        attention processor of the model, whether or not its tokens are split, e.g. to the text refiner
+        that MiniMax-H3 runs before its plan splits the packed sequence at the first block."""
+        if parallel_config is not PARALLEL_CALL or not self.state.inputs_split:
             return self._dispatch_original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                            attention_kwargs=attention_kwargs, backend=backend, parallel_config=None)
@@ -363,6 +372,16 @@ class SequenceParallelAttnProcessor:
         """T of a call whose queries and keys have these lengths; raises if they are not this rank's shard."""
         layout = self.state.extra.get("joint_text")
         text_len = query_len - sizes[self.state.group.rank]
+        if key_len == query_len and text_len > 0 and layout is None:
+            # T is the same on every rank (S_r is not), so the message is: every rank raises it alike.
+            owner = f"{self.state.owner}: " if self.state.owner else ""
+            raise SequenceParallelConfigError(
+                f"{owner}{name}: an attention call over the split sequence ({self.state.seq_len} tokens over "
+                f"{len(sizes)} ranks) also holds {text_len} other tokens (text joined to the split tokens inside "
+                f"the call, for instance), and the sharding plan does not say where they sit: for a model "
+                f"without a family module, that is what its Diffusers _cp_plan lacks. Sequence parallelism "
+                f"cannot run this call exactly; run the model without it (the model needs a family module "
+                f"in diffusers_sp.pipelines).")
         if key_len != query_len or text_len < 0 or (text_len > 0 and layout is None):
             expected = (f"{sizes[self.state.group.rank]} image tokens" if layout is None
                         else f"{sizes[self.state.group.rank]} image tokens plus the text tokens ({layout})")
@@ -394,9 +413,9 @@ class SequenceParallelAttnProcessor:
                 f"keys {shape} {dtype}.")
         return self.finish_attention(pending, query, scale=scale)
 
-    def _attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False):
-        name = type(self.inner).__name__
+    def _check_call(self, name: str, query, key, dropout_p, is_causal, enable_gqa) -> None:
+        """Raises SequenceParallelConfigError for what no strategy splits: causal attention, dropout,
+        grouped-query attention."""
         if is_causal:
             raise SequenceParallelConfigError(
                 f"{name}: causal attention depends on the query position and is not supported under "
@@ -406,6 +425,11 @@ class SequenceParallelAttnProcessor:
         if enable_gqa or key.shape[1] != query.shape[1]:
             raise SequenceParallelConfigError(
                 f"{name}: grouped-query attention (fewer K/V heads than query heads) is not supported.")
+
+    def _attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        name = type(self.inner).__name__
+        self._check_call(name, query, key, dropout_p, is_causal, enable_gqa)
         sizes = self.state.shard_sizes()
         layout = self.state.extra.get("joint_text")
         length = query.shape[2]

@@ -16,6 +16,9 @@ head groups so that each group's transfer overlaps the previous group's attentio
 (:func:`kv_gather_attention_copy_engine`, :mod:`diffusers_sp.copy_engine`). Both give the same bits.
 Either can start before the queries exist (:func:`start_kv_gather`, :func:`finish_kv_gather`),
 which the K/V-first family hooks (Wan) use so that K and V travel while the query projection runs.
+
+The same gather serves attention calls whose queries are whole on every rank and whose keys and
+values are split (LTX-2's video-to-audio attention), in every mode: :class:`SplitKVAttnProcessor`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 from ..comm import start_all_gather_dim0
 from ..copy_engine import barrier_timeout_ms, copy_or_fallback, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
-from .base import PendingKV, SequenceParallelAttnProcessor, join_text_image, split_text_image
+from ..validation import SequenceParallelConfigError
+from .base import (PendingKV, SequenceParallelAttnProcessor, gather_key_padding_mask, join_text_image,
+                   split_text_image)
 
 
 def gather_kv(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,3 +264,70 @@ class KVGatherAttnProcessor(SequenceParallelAttnProcessor):
     def parallel_attention(self, query, key, value, sizes, *, scale, text_len=0, text_layout=None, key_mask=None):
         pending = self.start_attention(key, value, sizes, text_len=text_len, text_layout=text_layout)
         return finish_kv_gather(pending, query, scale=scale, kernel=self.kernel, key_mask=key_mask)
+
+
+def key_split_mask(attn_mask: torch.Tensor | None, batch: int, heads: int, query_len: int, key_len: int,
+                   where: str) -> torch.Tensor | None:
+    """Checks the mask of a call with whole queries over this rank's ``key_len`` keys; returns it 4-D.
+
+    Args:
+        attn_mask: ``None`` or an SDPA mask (boolean, True = attend, or additive float) broadcastable
+            to ``[batch, heads, query_len, key_len]`` (fewer dims are aligned right, as SDPA does).
+        where: Processor name for error messages.
+
+    Returns:
+        ``None`` or ``[B or 1, H or 1, query_len or 1, key_len]``. A mask that varies with the query is
+        fine here: every rank holds every query row, and its own keys' columns of each.
+
+    Raises:
+        SequenceParallelConfigError: the mask does not broadcast to the call's shape.
+    """
+    if attn_mask is None:
+        return None
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if (m.dim() != 4 or m.shape[-1] != key_len or m.shape[0] not in (1, batch) or m.shape[1] not in (1, heads)
+            or m.shape[2] not in (1, query_len)):
+        raise SequenceParallelConfigError(
+            f"{where}: attention mask of shape {tuple(attn_mask.shape)} does not broadcast over the call's queries "
+            f"and this rank's {key_len} keys (expected [B or 1, H or 1, {query_len} or 1, {key_len}]).")
+    return m
+
+
+class SplitKVAttnProcessor(SequenceParallelAttnProcessor):
+    """Attention processor for calls whose queries are whole on every rank while their keys and
+    values are this rank's shard of the split sequence: LTX-2's video-to-audio attention, whose audio
+    queries stay replicated while the video tokens are split (see
+    :attr:`~diffusers_sp.pipelines.FamilySpec.split_kv_attention_modules`).
+
+    Whatever the mode, the keys and values ``[B, H, S_r, D]`` are all-gathered
+    (:func:`kv_gather_attention`, over the group's collectives) and every rank attends all its
+    queries ``[B, H, Lq, D]`` over the full ``S`` keys, so the output ``[B, H, Lq, D]`` is the same on
+    every rank, as the replicated tokens it updates must be. Ulysses cannot run such a call: it
+    exchanges query rows split along the sequence, and these queries are not split. A mask's key
+    columns are gathered with the keys (:func:`key_split_mask`); one that varies with the query is
+    exact too, since every rank holds every query row.
+
+    See :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for the arguments
+    (``transport``, ``head_groups`` and ``kv_first`` do not apply).
+    """
+
+    strategy = "kv_gather"
+
+    def _attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        name = type(self.inner).__name__
+        self._check_call(name, query, key, dropout_p, is_causal, enable_gqa)
+        sizes = self.state.shard_sizes()
+        local = sizes[self.state.group.rank]
+        if key.shape[2] != local or value.shape[2] != local:
+            raise SequenceParallelConfigError(  # the rank's own shard size left out: the same text on every rank
+                f"{name}: expected keys and values of this rank's shard of the split sequence ({self.state.seq_len} "
+                f"tokens in shards of {sizes} over {len(sizes)} ranks), got keys of {key.shape[2]} and values of "
+                f"{value.shape[2]} tokens. The sharding plan does not match the model's forward.")
+        mask = key_split_mask(attn_mask, query.shape[0], query.shape[1], query.shape[2], local, name)
+        self.state.group.check_device(query.device)
+        mask = gather_key_padding_mask(mask, 0, None, sizes, self.state.group)
+        return kv_gather_attention(query, key, value, sizes, self.state.group, scale=scale, kernel=self.kernel,
+                                   key_mask=mask)

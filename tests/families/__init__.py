@@ -37,7 +37,7 @@ class Pipe:
         build: ``() -> pipeline`` (tiny components, random weights).
         call: ``() -> kwargs`` of the pipeline call (images built here); ``prompt``,
             ``num_inference_steps``, ``output_type="latent"`` and the generator are added unless given
-            (``prompt`` and the others only where the pipeline's ``__call__`` takes them).
+            (each where the pipeline's ``__call__`` takes it).
         tokens: Image/video tokens of the transformer's split sequence in this call.
         modes: The dense modes compared with one process.
     """
@@ -98,6 +98,18 @@ def ragged_mask(lengths, total):
     import torch
 
     return (torch.arange(total)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+
+def randomize_norms(model):
+    """``model`` with its RMSNorm/LayerNorm weights drawn around one: they start at ones, which makes e.g.
+    norm_q and norm_k the same function; trained checkpoints differ, and so must the tests' models."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.normal_(1.0, 0.5)
+    return model
 
 
 def gen(seed: int = 1):
