@@ -130,6 +130,48 @@ def case_functional_no_text():
     return _functional(0, None, None, heads=4)
 
 
+def case_functional_grid_window():
+    """A module mixing 3 x 3 neighbourhoods of the token grid (a 1 x 1, a depthwise 3 x 3 and a 1 x 1
+    convolution, as Sana's GLUMBConv) run through GridSide / GridWindow hooks on each rank's shard,
+    against the whole grid. Grids: 5 x 7 (shards end inside rows), 2 x 20 (a shard's neighbour rows lie
+    on two other ranks), 3 x 1 (one column)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.sharding import GridSide, GridWindow, SequenceState, apply_plan, remove_hooks
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ff = torch.nn.Sequential(torch.nn.Conv2d(4, 6, 1), torch.nn.SiLU(),
+                                          torch.nn.Conv2d(6, 6, 3, 1, 1, groups=6), torch.nn.Conv2d(6, 4, 1))
+
+        def forward(self, tokens, height, width):  # tokens [B, S, C], as Sana's block reshapes them
+            image = tokens.unflatten(1, (height, width)).permute(0, 3, 1, 2)
+            return self.ff(image).flatten(2, 3).permute(0, 2, 1)
+
+    group = resolve_group()
+    torch.manual_seed(3)
+    block = Block().eval()
+    plan = {"": {"tokens": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
+                 "height": GridSide("height"), "width": GridSide("width")}, "ff": GridWindow(halo=1)}
+    out = {}
+    for height, width in ((5, 7), (2, 20), (3, 1)):
+        tokens = torch.randn(2, height * width, 4, generator=_gen(height))
+        with torch.no_grad():
+            ref = block(tokens, height, width)
+            state = SequenceState(group)
+            hooks = apply_plan(block, plan, state)
+            try:
+                local = block(tokens, height, width)
+            finally:
+                remove_hooks(hooks)
+            sizes = state.shard_sizes()
+            start = sum(sizes[:group.rank])
+            out[f"{height}x{width}"] = compare(ref[:, start:start + sizes[group.rank]], local)
+    return out
+
+
 def case_functional_split_kv():
     """Whole queries over keys and values split along the sequence (LTX-2's video-to-audio attention) through
     SplitKVAttnProcessor: no mask, a boolean key padding mask, an additive mask that varies with the query

@@ -36,6 +36,13 @@ def test_joint_attention_strategies_exact(results, case):
             assert_close(v[f"{mode} start/finish"], f"P={P} rank {rank} {case} {mode} start/finish")
 
 
+def test_grid_window_equals_the_whole_grid(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "functional_grid_window")):
+        for grid, metrics in v.items():
+            assert_close(metrics, f"P={P} rank {rank} grid {grid}")
+
+
 def test_whole_queries_over_split_keys_exact(results):
     P, res = results
     per_rank = values(res, "functional_split_kv")
