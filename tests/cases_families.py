@@ -172,6 +172,30 @@ def case_functional_grid_window():
     return out
 
 
+def case_functional_linear_attention():
+    """Diffusers' SanaLinearAttnProcessor2_0 on this rank's shard of 35 tokens under LinearAttnProcessor
+    (its sums over the keys all-reduced) against the whole sequence; a softmax processor is refused."""
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0, SanaLinearAttnProcessor2_0
+
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors.linear import LinearAttnProcessor
+    from diffusers_sp.sharding import SequenceState, shard
+
+    group = resolve_group()
+    torch.manual_seed(4)
+    attn = Attention(query_dim=16, heads=2, dim_head=8, bias=True, processor=SanaLinearAttnProcessor2_0()).eval()
+    hidden = torch.randn(2, 35, 16, generator=_gen(5))
+    state = SequenceState(group, seq_len=35)
+    with torch.no_grad():
+        ref = attn(hidden)
+        local = shard(hidden, 1, group.rank, group.world_size)
+        attn.set_processor(LinearAttnProcessor(attn.processor, state))
+        out = compare(shard(ref, 1, group.rank, group.world_size), attn(local))
+        attn.set_processor(LinearAttnProcessor(AttnProcessor2_0(), state))
+        softmax = error_of(lambda: attn(local))
+    return {"linear": out, "softmax_error": softmax}
+
+
 def case_functional_split_kv():
     """Whole queries over keys and values split along the sequence (LTX-2's video-to-audio attention) through
     SplitKVAttnProcessor: no mask, a boolean key padding mask, an additive mask that varies with the query

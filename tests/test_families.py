@@ -43,6 +43,15 @@ def test_grid_window_equals_the_whole_grid(results):
             assert_close(metrics, f"P={P} rank {rank} grid {grid}")
 
 
+def test_linear_attention_sums_all_reduced(results):
+    P, res = results
+    per_rank = values(res, "functional_linear_attention")
+    assert len({v["softmax_error"] for v in per_rank}) == 1
+    for rank, v in enumerate(per_rank):
+        assert_close(v["linear"], f"P={P} rank {rank} linear attention")
+        assert "softmax attention call" in v["softmax_error"], v["softmax_error"]
+
+
 def test_whole_queries_over_split_keys_exact(results):
     P, res = results
     per_rank = values(res, "functional_split_kv")

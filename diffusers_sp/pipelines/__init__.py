@@ -61,9 +61,11 @@ class FamilySpec:
             split; a forward passing one that is not ``None`` raises SequenceParallelConfigError on
             every rank, before any collective.
         attention_call: How the processors' attention calls are found: ``"sdpa"`` (every
-            ``F.scaled_dot_product_attention`` call inside a wrapped processor is the self-attention)
-            or ``"dispatch"`` (the calls the model's processor marks for context parallelism through
-            ``dispatch_attention_fn``; see :mod:`diffusers_sp.pipelines.cp_plan`).
+            ``F.scaled_dot_product_attention`` call inside a wrapped processor is the self-attention),
+            ``"dispatch"`` (the calls the model's processor marks for context parallelism through
+            ``dispatch_attention_fn``; see :mod:`diffusers_sp.pipelines.cp_plan`) or ``"linear"``
+            (linear attention: the processor's product summing over the keys is all-reduced, in
+            either dense mode; see :mod:`diffusers_sp.processors.linear`).
         cfg_strategy: How the family's pipelines run classifier-free guidance, for CFG parallelism
             (:mod:`diffusers_sp.cfg_parallel`): ``"two_call"`` (a conditional and an unconditional
             transformer call per step), ``"batch"`` (both folded into a batch of 2) or ``None`` (no
