@@ -292,9 +292,19 @@ def _check_model(installed: _InstalledModel) -> None:
     _check_no_cache(model, installed.modules)
     for name, module, _, _, processor in installed.processors:
         if getattr(module, "processor", None) is not processor:
+            new = type(getattr(module, "processor", None)).__name__
+            if new.startswith("PAG"):
+                # Diffusers' PAG pipelines (PAGMixin) swap these in for the layers of pag_applied_layers at
+                # each call and put the previous ones back after it: re-enabling cannot wrap them.
+                raise SequenceParallelConfigError(
+                    f"{type(model).__name__}: the attention processor of {name} was replaced during the call by "
+                    f"{new}: the perturbed-attention guidance of a PAG pipeline swaps its PAG layers' processors "
+                    "for each call, and sequence parallelism does not wrap them for this model, so that attention "
+                    "would see only this rank's tokens. Call the pipeline with pag_scale=0 (no perturbed-attention "
+                    "guidance), or without sequence parallelism.")
             raise SequenceParallelConfigError(
                 f"{type(model).__name__}: the attention processor of {name} was replaced after "
-                f"enable_sequence_parallel (by {type(getattr(module, 'processor', None)).__name__}; "
+                f"enable_sequence_parallel (by {new}; "
                 "fuse_qkv_projections() and set_attn_processor() do this on some models), so that "
                 "attention would see only this rank's tokens. Call disable_sequence_parallel(), which keeps "
                 "the new processors, then enable sequence parallelism again to wrap them.")
