@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,18 @@ class _InstalledModel:
     hooks: list
     processors: list  # (name, attention module, original processor, its saved attributes, our processor)
     modules: list = field(default_factory=list)  # model.modules() at enable: where a cache hook is looked for
+    # Processors a pipeline swaps in for a call (FamilySpec.swapped_processors): their class names, how to
+    # wrap one (inner -> our processor) and the wrappers made, by id of the swapped-in processor.
+    swapped: tuple = ()
+    wrap: Callable | None = None
+    swap_wrappers: dict = field(default_factory=dict)
+
+    def swap_wrapper(self, inner):
+        """Our processor around ``inner``, a processor of :attr:`swapped` (made once per ``inner``)."""
+        wrapper = self.swap_wrappers.get(id(inner))
+        if wrapper is None or wrapper.inner is not inner:
+            wrapper = self.swap_wrappers[id(inner)] = self.wrap(inner)
+        return wrapper
 
 
 @dataclass
@@ -119,11 +133,16 @@ class SequenceParallelHandle:
             if accelerate_forward is not None:
                 model._old_forward, model.forward = model.forward, accelerate_forward
             originals = {id(wrapper): original for _, _, original, _, wrapper in installed.processors}
+            swapped = {id(w): w.inner for w in installed.swap_wrappers.values()}
             for _, module, original, saved, wrapper in installed.processors:
                 # A processor replaced since enabling (fuse_qkv_projections(), set_attn_processor) is
-                # the user's change: it stays.
-                if getattr(module, "processor", None) is wrapper:
+                # the user's change: it stays; one swapped in by the pipeline for a call that did not end
+                # (PAG) stays too, unwrapped.
+                current = getattr(module, "processor", None)
+                if current is wrapper:
                     _set_processor(module, original)
+                elif id(current) in swapped:
+                    _set_processor(module, swapped[id(current)])
                 for key, value in saved.items():
                     setattr(original, key, value)
             # Diffusers' fuse_qkv_projections() saves the processors it replaces (ours) for
@@ -287,27 +306,40 @@ def _check_model(installed: _InstalledModel) -> None:
     """Raises SequenceParallelConfigError (the same on every rank: all ranks make the same calls) when
     the model was changed after enabling in a way sequence parallelism cannot follow: a Diffusers cache
     or an Accelerate hook added, or an attention processor replaced. Run when the model's forward
-    begins (``SequenceState.check``), over the modules listed at enable time."""
+    begins (``SequenceState.check``), over the modules listed at enable time.
+
+    A processor of a class the family lists in ``swapped_processors`` (PAG pipelines put theirs on for
+    each call and put the previous ones back after it) is wrapped here instead, like the model's own."""
     model = installed.model
     _check_no_cache(model, installed.modules)
     for name, module, _, _, processor in installed.processors:
-        if getattr(module, "processor", None) is not processor:
-            new = type(getattr(module, "processor", None)).__name__
-            if new.startswith("PAG"):
-                # Diffusers' PAG pipelines (PAGMixin) swap these in for the layers of pag_applied_layers at
-                # each call and put the previous ones back after it: re-enabling cannot wrap them.
-                raise SequenceParallelConfigError(
-                    f"{type(model).__name__}: the attention processor of {name} was replaced during the call by "
-                    f"{new}: the perturbed-attention guidance of a PAG pipeline swaps its PAG layers' processors "
-                    "for each call, and sequence parallelism does not wrap them for this model, so that attention "
-                    "would see only this rank's tokens. Call the pipeline with pag_scale=0 (no perturbed-attention "
-                    "guidance), or without sequence parallelism.")
-            raise SequenceParallelConfigError(
-                f"{type(model).__name__}: the attention processor of {name} was replaced after "
-                f"enable_sequence_parallel (by {new}; "
-                "fuse_qkv_projections() and set_attn_processor() do this on some models), so that "
-                "attention would see only this rank's tokens. Call disable_sequence_parallel(), which keeps "
-                "the new processors, then enable sequence parallelism again to wrap them.")
+        current = getattr(module, "processor", None)
+        if current is processor or any(current is w for w in installed.swap_wrappers.values()):
+            continue
+        if installed.wrap is not None and type(current).__name__ in installed.swapped:
+            _set_processor(module, installed.swap_wrapper(current))
+            continue
+        raise SequenceParallelConfigError(
+            f"{type(model).__name__}: the attention processor of {name} was replaced after "
+            f"enable_sequence_parallel (by {type(current).__name__}; "
+            "fuse_qkv_projections() and set_attn_processor() do this on some models), so that "
+            "attention would see only this rank's tokens. Call disable_sequence_parallel(), which keeps "
+            "the new processors, then enable sequence parallelism again to wrap them.")
+
+
+def _perturbed_guidance(target) -> str:
+    """Why CFG parallelism cannot split ``target``'s batch (``""`` when it can): a Diffusers pipeline with
+    perturbed-attention guidance (``PAGMixin``) runs its passes as one transformer batch,
+    ``[uncond, cond, perturbed]`` or ``[cond, perturbed]``, which its PAG attention processors cut into
+    those passes again; a half of it on each CFG group would be cut wrongly."""
+    try:
+        from diffusers.pipelines.pag.pag_utils import PAGMixin
+    except ImportError:  # a Diffusers without PAG
+        return ""
+    if not isinstance(target, PAGMixin):
+        return ""
+    return ("perturbed-attention guidance (PAG) runs [uncond, cond, perturbed] (or [cond, perturbed]) as one "
+            "transformer batch that its attention processors cut into those passes")
 
 
 def _gate_paths(spec, traits: PipelineTraits) -> list:
@@ -475,9 +507,18 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     from . import cfg_parallel as _cfg
     from .replicas import resolve_layout
 
+    pag = _perturbed_guidance(target)
+    if pag and cfg_parallel is True:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: cfg_parallel=True cannot split this pipeline's guidance: {pag}, while CFG "
+            f"parallelism gives each CFG group one half of the batch. Use cfg_parallel=False (sequence "
+            f"parallelism runs perturbed-attention guidance exactly).")
     layout = resolve_layout(traits.name, world_size_for(process_group), cfg_parallel=cfg_parallel,
-                            sp_degree=sp_degree, family=family.name, cfg_capable=family.cfg_strategy is not None,
+                            sp_degree=sp_degree, family=family.name,
+                            cfg_capable=family.cfg_strategy is not None and not pag,
                             cfg_by_default=family.cfg_by_default, process_group=process_group)
+    if pag and cfg_parallel == "auto":
+        layout = dataclasses.replace(layout, cfg_reason=pag)
     resolved = validate_mode(mode, traits, layout.sp_degree)
     for _, model in models:
         _check_no_cache(model)
@@ -583,7 +624,8 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
     for index, ((_, model), model_traits) in enumerate(zip(models, traits.models)):
         # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
         state = SequenceState(group, owner=traits.name, extra={"joint_text": model_traits.joint_text})
-        installed = _InstalledModel(model, state, hooks=[], processors=[], modules=list(model.modules()))
+        installed = _InstalledModel(model, state, hooks=[], processors=[], modules=list(model.modules()),
+                                    swapped=tuple(family.swapped_processors))
         state.check = functools.partial(_check_model, installed)
         handle._models.append(installed)
         installed.hooks = apply_plan(model, family.sharding_plan(model), state, refuse=family.unsupported_inputs)
@@ -594,6 +636,10 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
                 TileOrderHook(state, family.latent_grid, vsa["tile"]), hook_name)
             installed.hooks.append((model, hook_name))
         dispatch = family.attention_call == "dispatch"
+        if vsa is None:
+            installed.wrap = functools.partial(processor_cls, state=state, kernel=opts["attention_kernel"],
+                                               transport=transport, head_groups=groups_opt, kv_first=kv_first,
+                                               dispatch=dispatch)
         modules = [(name, module, layer) for layer, (name, module) in enumerate(family.attention_modules(model))]
         if family.split_kv_attention_modules is not None:  # whole queries over split K/V: K/V-gather in every mode
             modules += [(name, module, None) for name, module in family.split_kv_attention_modules(model)]

@@ -116,6 +116,24 @@ def case_cfg_auto():
         handle.disable()
 
 
+def case_cfg_pag_refused():
+    """An SD3 PAG pipeline runs [uncond, cond, perturbed] as one batch that its PAG processors cut into those
+    passes: cfg_parallel=True is refused on every rank at enable, 'auto' leaves CFG parallelism off."""
+    from diffusers import StableDiffusion3PAGPipeline
+
+    from diffusers_sp.tiny_models import tiny_sd3_pipeline
+    from distributed import error_of
+
+    parts = tiny_sd3_pipeline().components
+    pipe = StableDiffusion3PAGPipeline(**{k: v for k, v in parts.items() if k not in ("image_encoder", "feature_extractor")})
+    refused = error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather", cfg_parallel=True))
+    handle = enable_sequence_parallel(pipe, mode="kv_gather", cfg_parallel="auto")
+    try:
+        return {"refused": refused, "auto": (handle.cfg_degree, handle.world_size)}
+    finally:
+        handle.disable()
+
+
 def case_replicas_prompts():
     """sp_degree = world / 2: two replicas; the prompts are spread over them, each output written once."""
     from diffusers_sp.replicas import split_for_replica

@@ -282,9 +282,12 @@ def _pipeline_case(name: str) -> dict:
     call = _call_kwargs(pipe, spec)
 
     def run():
-        # A fresh copy of the arguments per call: a pipeline may change them in place (Z-Image's
-        # _encode_prompt replaces each prompt of the list by its chat-templated text), and the next
-        # call (or the next case, for families.PROMPTS) would then get other prompts.
+        # The global RNG too: some pipelines sample from it (SD3's ControlNet pipelines encode the control
+        # image with ``latent_dist.sample()`` and no generator), and the reference and the parallel run
+        # must draw the same numbers. And a fresh copy of the arguments per call: a pipeline may change
+        # them in place (Z-Image's _encode_prompt replaces each prompt of the list by its chat-templated
+        # text), and the next call (or the next case, for families.PROMPTS) would then get other prompts.
+        torch.manual_seed(0)
         return _output_tensors(pipe(**copy.deepcopy(call), generator=torch.Generator().manual_seed(0)))
 
     ref = run()

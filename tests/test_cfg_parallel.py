@@ -62,6 +62,16 @@ def test_auto_chooses_cfg_parallel(results):
         assert v == {"cfg_degree": 2, "sp": P // 2}
 
 
+def test_pag_pipeline_refuses_cfg_parallel(results):
+    P, res = results
+    got = values(res, "cfg_pag_refused")
+    assert len({v["refused"] for v in got}) == 1
+    msg = got[0]["refused"]
+    assert "StableDiffusion3PAGPipeline" in msg and "perturbed-attention guidance" in msg and \
+        "cfg_parallel=False" in msg, msg
+    assert all(v["auto"] == (1, P) for v in got), got  # 'auto': sequence parallelism over every rank
+
+
 def test_groups_usable_after(results):
     P, res = results
     assert values(res, "group_usable_after") == [P * (P + 1) / 2] * P

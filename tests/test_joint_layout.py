@@ -7,7 +7,8 @@ import torch
 
 from diffusers_sp import SequenceParallelConfigError, enable_sequence_parallel
 from diffusers_sp.pipelines import FAMILIES, family_for_model, plan_without, supported_models
-from diffusers_sp.processors.base import join_text_image, normalize_key_padding_mask, split_text_image
+from diffusers_sp.processors.base import (is_image_identity_mask, join_text_image, normalize_key_padding_mask,
+                                          split_text_image)
 from diffusers_sp.traits import ModelTraits, PipelineTraits
 from diffusers_sp.validation import choose_auto_mode, validate_mode
 
@@ -37,6 +38,29 @@ def test_key_padding_mask_shapes():
         normalize_key_padding_mask(torch.ones(2, 1, 9, 9, dtype=torch.bool), 2, 3, 9, "p")
     with pytest.raises(SequenceParallelConfigError, match="not a key padding mask"):
         normalize_key_padding_mask(torch.ones(2, 1, 1, 8, dtype=torch.bool), 2, 3, 9, "p")
+
+
+def _pag_mask(image_len: int, text_len: int) -> torch.Tensor:
+    """The perturbed-pass mask that Diffusers' PAGJointAttnProcessor2_0 builds: [image; text], image block the identity."""
+    mask = torch.zeros(image_len + text_len, image_len + text_len)
+    mask[:image_len, :image_len] = float("-inf")
+    mask[:image_len, :image_len].fill_diagonal_(0)
+    return mask[None, None]
+
+
+def test_image_identity_mask():
+    pag = _pag_mask(5, 3)
+    assert is_image_identity_mask(pag, 3, "suffix")
+    assert is_image_identity_mask(pag[0, 0], 3, "suffix") and is_image_identity_mask(pag == 0, 3, "suffix")
+    assert not is_image_identity_mask(pag, 3, "prefix")  # the text is not where the family has it
+    assert not is_image_identity_mask(torch.zeros(1, 1, 8, 8), 3, "suffix")  # open: not the identity
+    blocked = pag.clone()
+    blocked[..., 0, 6] = float("-inf")  # an image query that does not see all the text
+    assert not is_image_identity_mask(blocked, 3, "suffix")
+    other = pag.clone()
+    other[..., 6, 0] = -1.0  # neither open nor closed
+    assert not is_image_identity_mask(other, 3, "suffix")
+    assert is_image_identity_mask(_pag_mask(4, 0), 0, None)
 
 
 def test_plans_keep_text_replicated():

@@ -72,6 +72,11 @@ class FamilySpec:
             CFG parallelism).
         cfg_by_default: Whether the family's default pipeline calls use CFG (``cfg_parallel="auto"``
             leaves CFG parallelism off when they do not, e.g. guidance-distilled Flux).
+        swapped_processors: Class names of attention processors that the family's pipelines put on the
+            wrapped attention modules for the length of a call and take off after it (Diffusers' PAG
+            pipelines: ``PAGMixin._set_pag_attn_processor``). Found at the next forward, they are wrapped
+            like the model's own processors; any other replacement is refused (see
+            :func:`diffusers_sp.api.enable_sequence_parallel`).
         note: One line for the README's coverage table (what the family's plan splits, or a limit).
     """
 
@@ -91,6 +96,7 @@ class FamilySpec:
     attention_call: str = "sdpa"
     cfg_strategy: str | None = None
     cfg_by_default: bool = True
+    swapped_processors: tuple[str, ...] = ()
     note: str = ""
 
     def model_traits(self, model: torch.nn.Module, attribute: str) -> ModelTraits:

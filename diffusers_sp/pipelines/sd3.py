@@ -8,6 +8,12 @@ Sharding plan (explicit; Diffusers 0.42 ships no ``_cp_plan`` for this model): s
 ``pos_embed`` (patch embedding plus positional embedding, ``[B, S, C]``, dim 1); gather ``proj_out``.
 Timestep and pooled projections stay whole. ControlNet residuals (``block_controlnet_hidden_states``,
 one ``[B, S, C]`` per block) are split like the image tokens; the ControlNet runs whole on every rank.
+
+PAG pipelines (``StableDiffusion3PAGPipeline``, ``...PAGImg2ImgPipeline``) put Diffusers'
+``PAGCFGJointAttnProcessor2_0`` / ``PAGJointAttnProcessor2_0`` on the PAG layers for each call; they are
+wrapped at the next forward (``swapped_processors``). Their perturbed pass masks the image-image
+attention to the identity: exact per rank for the image rows, through the usual exchange for the text
+rows (see :func:`diffusers_sp.processors.base.is_image_identity_mask`).
 """
 
 from __future__ import annotations
@@ -53,4 +59,5 @@ SD3 = FamilySpec(
     joint_text="suffix",
     text_mask=False,
     cfg_strategy="batch",
+    swapped_processors=("PAGJointAttnProcessor2_0", "PAGCFGJointAttnProcessor2_0"),
 )

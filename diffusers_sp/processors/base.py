@@ -19,7 +19,10 @@ boolean True = attend or additive float; shape broadcastable to ``[B, H, 1, L]``
 its text part is replicated, its image part is all-gathered with the same uneven sizes as the keys,
 and the strategies receive the mask over the full key sequence in the model's order. A mask that
 varies along the query dimension would need the mask entries between this rank's queries and the
-other ranks' keys, which no rank has: it raises :class:`SequenceParallelConfigError`.
+other ranks' keys, which no rank has: it raises :class:`SequenceParallelConfigError`. One such mask is
+exact all the same, the *image identity mask* of perturbed-attention guidance (see
+:func:`is_image_identity_mask`): every image query sees only its own image key and the text, which are
+all on its rank, and every text query sees every key, as without a mask.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..comm import all_gather_along
+from ..kernels.sdpa import local_attention
 from ..sharding import SequenceState
 from ..validation import SequenceParallelConfigError
 
@@ -132,6 +136,40 @@ def gather_key_padding_mask(mask: torch.Tensor | None, text_len: int, text_layou
     if is_bool:
         full = full.bool()
     return join_text_image(text, full, text_layout, dim=3)
+
+
+def is_image_identity_mask(attn_mask: torch.Tensor, text_len: int, text_layout: str | None) -> bool:
+    """Whether ``attn_mask`` is the mask of perturbed-attention guidance (PAG) over a joint sequence.
+
+    Diffusers' ``PAGJointAttnProcessor2_0`` and ``PAGCFGJointAttnProcessor2_0`` (SD3 PAG pipelines) run a
+    perturbed pass whose image-image attention is the identity: an additive ``[1, 1, L, L]`` mask, 0 on
+    the diagonal of the image block and -inf elsewhere in it, 0 in the image-text and text rows. Built
+    by the processor from the sequence it is given, under sequence parallelism it is this rank's part:
+    ``L = text_len + S_r``. Its image rows need only keys this rank holds (its own token, the text), and
+    its text rows are unmasked; so the pass is exact (:meth:`SequenceParallelAttnProcessor._attend`).
+
+    Args:
+        attn_mask: An SDPA ``attn_mask``, ``[L, L]`` or ``[1 or B, 1 or H, L, L]``: boolean (True =
+            attend) or additive float.
+        text_len, text_layout: The joint layout (see :func:`split_text_image`); ``text_layout`` is where
+            the text sits, the image tokens are the rest.
+
+    Returns:
+        True when the mask is exactly that pattern (and ``L`` > 1); False otherwise. With one image token
+        the pattern cannot be told from an open mask: the caller asks only when every rank has two or more.
+    """
+    if attn_mask.dim() not in (2, 4) or attn_mask.shape[-1] != attn_mask.shape[-2] or attn_mask.shape[-1] < 2:
+        return False
+    length = attn_mask.shape[-1]
+    if attn_mask.dtype == torch.bool:
+        open_, closed = attn_mask, ~attn_mask
+    else:
+        open_, closed = attn_mask == 0, attn_mask == float("-inf")
+    expected = torch.ones(length, length, dtype=torch.bool, device=attn_mask.device)
+    _, image_rows = split_text_image(expected, text_len, text_layout, dim=0)
+    _, image_block = split_text_image(image_rows, text_len, text_layout, dim=1)
+    image_block.copy_(torch.eye(image_block.shape[0], dtype=torch.bool, device=attn_mask.device))
+    return bool(torch.equal(open_ | closed, torch.ones_like(open_)) and (open_ == expected).all())
 
 
 class PendingKV:
@@ -434,11 +472,41 @@ class SequenceParallelAttnProcessor:
         layout = self.state.extra.get("joint_text")
         length = query.shape[2]
         text_len = self._text_len(name, length, key.shape[2], sizes)
+        # min(sizes) > 1: a 1 x 1 image block is the identity and open alike, so on a rank with one image
+        # token an open query-dependent mask would pass for one, while the other ranks refuse it.
+        if attn_mask is not None and min(sizes) > 1 and attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1 and \
+                is_image_identity_mask(attn_mask, text_len, layout):
+            return self._identity_attention(query, key, value, attn_mask, sizes, scale=scale, text_len=text_len,
+                                            text_layout=layout)
         mask = normalize_key_padding_mask(attn_mask, query.shape[0], query.shape[1], length, name)
         self.state.group.check_device(query.device)
         mask = gather_key_padding_mask(mask, text_len, layout, sizes, self.state.group)
         return self.parallel_attention(query, key, value, sizes, scale=scale, text_len=text_len,
                                        text_layout=layout, key_mask=mask)
+
+    def _identity_attention(self, query, key, value, attn_mask, sizes, *, scale, text_len, text_layout):
+        """The attention of a call masked by :func:`is_image_identity_mask` (PAG's perturbed pass).
+
+        ``query``, ``key``, ``value``: ``[B, H, text_len + sizes[rank], D]``; ``attn_mask`` this rank's
+        ``[.., L, L]`` part of the mask. The image rows attend here, to this rank's keys under the mask
+        (their own image token and the replicated text); the text rows are those of the strategy's
+        unmasked attention over the whole sequence (the mask leaves them open), computed with the image
+        rows, which are dropped. Without text the pass is local: every token attends to itself.
+
+        Returns:
+            ``[B, H, text_len + sizes[rank], D]``.
+        """
+        mask = attn_mask if attn_mask.dim() == 4 else attn_mask[None, None]
+        _, image_query = split_text_image(query, text_len, text_layout)
+        _, image_mask = split_text_image(mask, text_len, text_layout, dim=2)
+        image = local_attention(image_query, key, value, attn_mask=image_mask, scale=scale, kernel=self.kernel)
+        if text_len == 0:
+            return image
+        self.state.group.check_device(query.device)
+        full = self.parallel_attention(query, key, value, sizes, scale=scale, text_len=text_len,
+                                       text_layout=text_layout, key_mask=None)
+        text, _ = split_text_image(full, text_len, text_layout)
+        return join_text_image(text, image, text_layout)
 
     def parallel_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            sizes: list[int], *, scale: float | None, text_len: int = 0,
