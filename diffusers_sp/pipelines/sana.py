@@ -26,8 +26,12 @@ every block and the window of every block's ``ff``; gather ``proj_out`` (``[B, S
 ControlNet (``SanaControlNetModel``) runs whole on every rank. Timesteps, guidance (Sana Sprint) and
 the text stay whole.
 
-Sana's PAG pipeline replaces the self-attention processors with perturbed-attention ones during each
-call; it is refused (:data:`diffusers_sp.coverage.REFUSED`).
+Sana's PAG pipeline puts perturbed-attention processors on its PAG layers' self-attention for each call
+(``PAGCFGSanaLinearAttnProcessor2_0`` with CFG, ``PAGIdentitySanaLinearAttnProcessor2_0`` without):
+they are wrapped at the next forward (:attr:`~diffusers_sp.pipelines.FamilySpec.swapped_processors`).
+Each makes one linear attention over the batch's unperturbed samples (its sums all-reduced as above)
+and an identity "attention" (the value projection of each token) for the perturbed ones, which is per
+token.
 """
 
 from __future__ import annotations
@@ -69,5 +73,6 @@ SANA = FamilySpec(
     sharding_plan=sana_sharding_plan,
     attention_modules=sana_attention_modules,
     attention_call="linear",
+    swapped_processors=("PAGCFGSanaLinearAttnProcessor2_0", "PAGIdentitySanaLinearAttnProcessor2_0"),
     note="linear attention: its key sums all-reduced; the convolutional feed-forward gets its neighbour rows",
 )

@@ -19,7 +19,8 @@ product of the call whose contraction runs over this rank's tokens (``[..., X, S
 Diffusers' ``torch.matmul(value, key)``) has its result all-reduced; later products pass as they are
 (the one with the queries contracts over D, which may equal S_r). A processor making no such product,
 or a softmax attention call, raises SequenceParallelConfigError rather than running an unknown
-computation split (Sana's PAG processors are not wrapped: its PAG pipeline is refused).
+computation split. Sana's PAG processors make the same product over the unperturbed samples and an
+identity "attention" (per token) for the perturbed ones: they run here too.
 """
 
 from __future__ import annotations

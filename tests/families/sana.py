@@ -9,7 +9,7 @@ import torch
 
 import families
 from diffusers_sp import tiny_models as tm
-from families import Pipe, Refusal, gen
+from families import Pipe, gen
 
 #: 3 heads of 8 (the linear self-attention), 2 cross-attention heads of 8, two blocks.
 TRANSFORMER = dict(in_channels=4, out_channels=4, num_attention_heads=3, attention_head_dim=8, num_layers=2,
@@ -138,9 +138,8 @@ PIPELINES = {
 
 
 def _pag():
-    """A ``SanaPAGPipeline`` with perturbed-attention guidance at block 0. With ``pag_scale > 0`` it swaps
-    that block's self-attention processor for a PAG one during each call (refused at the call); with
-    ``pag_scale=0`` it runs as ``SanaPipeline``."""
+    """A ``SanaPAGPipeline`` with perturbed-attention guidance at block 0: for each call, that block's
+    self-attention processor is swapped for a PAG one (wrapped at the next forward)."""
     from diffusers import SanaPAGPipeline
 
     return SanaPAGPipeline(tokenizer=tm.tiny_tokenizer(), text_encoder=_gemma2(), vae=_vae(),
@@ -148,8 +147,5 @@ def _pag():
                            pag_applied_layers="transformer_blocks.0")
 
 
-PIPELINES["SanaPAGPipeline"] = Pipe(_pag, lambda: _call(guidance_scale=4.5, pag_scale=0.0))
-REFUSALS = {"SanaPAGPipeline": Refusal(_pag, call=lambda: _call(guidance_scale=4.5, pag_scale=3.0),
-                                     match="SanaTransformer2DModel: the attention processor of transformer_blocks.0.attn1 "
-                                           "was replaced during the call by PAGCFGSanaLinearAttnProcessor2_0: the "
-                                           "perturbed-attention guidance")}
+# CFG and PAG: the batch is [uncond, cond, perturbed] (PAGCFGSanaLinearAttnProcessor2_0).
+PIPELINES["SanaPAGPipeline"] = Pipe(_pag, lambda: _call(guidance_scale=4.5, pag_scale=3.0))
