@@ -18,7 +18,7 @@ from .copy_engine import TRANSPORTS, copy_engine_unavailable_reason, head_group_
 from .groups import SPGroup, resolve_group, world_size_for
 from .kernels.sdpa import KERNELS
 from .pipelines import resolve_target, transformers_of
-from .processors import PROCESSORS, LinearAttnProcessor, SplitKVAttnProcessor
+from .processors import PROCESSORS, SplitKVAttnProcessor
 from .processors.base import PARALLEL_CALL
 from .processors.vsa import VSA_DEFAULTS, TileOrderHook, VideoSparseAttnProcessor, load_gate_weights
 from .sharding import SequenceState, apply_plan, remove_hooks
@@ -618,9 +618,9 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
 
     group, transport, pgroups = handle.group, handle.transport, handle.groups
     groups_opt = opts["overlap_head_groups"]
-    # Linear attention (Sana) has one exact scheme, whichever dense mode was asked for: its sums over
-    # the keys all-reduced (processors/linear.py); moving K/V or heads would only cost more.
-    processor_cls = LinearAttnProcessor if family.attention_call == "linear" else PROCESSORS[handle.mode]
+    # A family whose attention has one exact parallel form of its own runs it whichever dense mode was
+    # asked for (Sana's linear attention: its key sums all-reduced, processors/linear.py).
+    processor_cls = family.attention_processor or PROCESSORS[handle.mode]
     for index, ((_, model), model_traits) in enumerate(zip(models, traits.models)):
         # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
         state = SequenceState(group, owner=traits.name, extra={"joint_text": model_traits.joint_text})

@@ -61,11 +61,14 @@ class FamilySpec:
             split; a forward passing one that is not ``None`` raises SequenceParallelConfigError on
             every rank, before any collective.
         attention_call: How the processors' attention calls are found: ``"sdpa"`` (every
-            ``F.scaled_dot_product_attention`` call inside a wrapped processor is the self-attention),
-            ``"dispatch"`` (the calls the model's processor marks for context parallelism through
-            ``dispatch_attention_fn``; see :mod:`diffusers_sp.pipelines.cp_plan`) or ``"linear"``
-            (linear attention: the processor's product summing over the keys is all-reduced, in
-            either dense mode; see :mod:`diffusers_sp.processors.linear`).
+            ``F.scaled_dot_product_attention`` call inside a wrapped processor is the self-attention)
+            or ``"dispatch"`` (the calls the model's processor marks for context parallelism through
+            ``dispatch_attention_fn``; see :mod:`diffusers_sp.pipelines.cp_plan`).
+        attention_processor: ``None`` (each dense mode's processor) or the processor class that wraps the
+            family's attention modules in every dense mode, for attention whose exact parallel form is
+            neither Ulysses nor plain K/V-gather: linear attention (Sana,
+            :class:`~diffusers_sp.processors.linear.LinearAttnProcessor`), or calls that mix whole and
+            split tokens (QwenImage 2.1, :class:`~diffusers_sp.processors.kv_gather.PrefixKVAttnProcessor`).
         cfg_strategy: How the family's pipelines run classifier-free guidance, for CFG parallelism
             (:mod:`diffusers_sp.cfg_parallel`): ``"two_call"`` (a conditional and an unconditional
             transformer call per step), ``"batch"`` (both folded into a batch of 2) or ``None`` (no
@@ -94,6 +97,7 @@ class FamilySpec:
     self_attention_kv_first: Callable | None = None
     unsupported_inputs: dict = field(default_factory=dict)
     attention_call: str = "sdpa"
+    attention_processor: type | None = None
     cfg_strategy: str | None = None
     cfg_by_default: bool = True
     swapped_processors: tuple[str, ...] = ()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
+from ..processors.linear import LinearAttnProcessor
 from ..sharding import GridSide, GridWindow
 from . import CONTROLNET_RESIDUALS, FamilySpec
 
@@ -72,7 +73,7 @@ SANA = FamilySpec(
     patch_size=sana_patch_size,
     sharding_plan=sana_sharding_plan,
     attention_modules=sana_attention_modules,
-    attention_call="linear",
+    attention_processor=LinearAttnProcessor,
     swapped_processors=("PAGCFGSanaLinearAttnProcessor2_0", "PAGIdentitySanaLinearAttnProcessor2_0"),
     note="linear attention: its key sums all-reduced; the convolutional feed-forward gets its neighbour rows",
 )
