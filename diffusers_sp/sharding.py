@@ -9,10 +9,11 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
 Entries of a dict may also be :class:`SplitByDims`, :class:`SplitEach` (lists of tensors) or
-:class:`PrefixCount` / :class:`TailCount` (an int counting leading / last tokens), :class:`SplitHead`
-(the split sequence followed by tokens every rank keeps whole) or :class:`GridSide` (an int side of the
-2-D token grid). A module's entry may also be a :class:`GridWindow` (a module mixing neighbouring
-tokens of that grid).
+:class:`PrefixCount` / :class:`TailCount` (an int counting leading / last tokens), :class:`SplitHead` /
+:class:`SplitTail` (the split sequence followed / preceded by tokens every rank keeps whole),
+:class:`SequenceLength` (an argument giving the split sequence's length) or :class:`GridSide` (an int
+side of the 2-D token grid). A module's entry may also be a :class:`GridWindow` (a module mixing
+neighbouring tokens of that grid) or a :class:`GatherTail` (gather the split tokens after whole ones).
 
 Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
 tokens and P ranks, rank r gets ``S // P + (r < S % P)`` tokens, in rank order. Tensors whose rank
@@ -134,6 +135,45 @@ class SplitHead:
     """
 
     spec: object
+
+
+@dataclass(frozen=True)
+class SplitTail:
+    """A plan entry for a tensor whose ``spec.split_dim`` holds tokens that every rank keeps whole and
+    then the split sequence (:class:`SplitHead` from the other end), e.g. QwenImage 2.1's joint sequence
+    ``[text and condition images; target image]``, of which only the target is split: of ``W + S``
+    entries (``S``, the sequence length set earlier in the same forward, by a split or a
+    :class:`SequenceLength`), the first ``W`` pass whole and the last ``S`` are split like the sequence,
+    so that the tensor lines up with the local ``[whole tokens; this rank's shard]``. ``W`` may be 0
+    (QwenImage 2.1's cached steps run the target alone).
+
+    Attributes:
+        spec: A ``ContextParallelInput`` (its ``expected_dims`` and ``split_dim``); tensors of another
+            number of dims pass whole.
+    """
+
+    spec: object
+
+
+@dataclass(frozen=True)
+class SequenceLength:
+    """A plan entry for an argument from which the length ``S`` of the sequence split in the forward is
+    read (``length(value) -> int``; ``None`` passes), for a model whose first split tensor also holds
+    whole tokens (:class:`SplitTail`), so that no split can tell ``S``: e.g. QwenImage 2.1's
+    ``img_shapes``, whose last entry is the target image. The argument passes unchanged."""
+
+    length: Callable
+
+
+@dataclass(frozen=True)
+class GatherTail:
+    """In place of a ``ContextParallelOutput``: gathers an output that holds tokens every rank kept whole
+    and then this rank's part of the split sequence (the layout :class:`SplitTail` makes), along
+    ``gather_dim``: the whole tokens stay, the split part is all-gathered after them. Outputs of another
+    number of dims than ``expected_dims`` pass as they are."""
+
+    gather_dim: int
+    expected_dims: int | None = None
 
 
 @dataclass(frozen=True)
@@ -284,7 +324,7 @@ class SequenceSplitHook(ModelHook):
                 new = args[i] = self._split_value(old, spec, what)
             else:
                 continue
-            if new is not old and not isinstance(spec, (PrefixCount, TailCount)):
+            if new is not old and not isinstance(spec, (PrefixCount, TailCount, GridSide)):
                 self.state.inputs_split = True
         return tuple(args), kwargs
 
@@ -295,6 +335,10 @@ class SequenceSplitHook(ModelHook):
             return self._tail_count(value, what)
         if isinstance(spec, SplitHead):
             return self._split_head(value, spec.spec, what)
+        if isinstance(spec, SplitTail):
+            return self._split_tail(value, spec.spec, what)
+        if isinstance(spec, SequenceLength):
+            return self._declare_length(value, spec.length, what)
         if isinstance(spec, GridSide):
             return self._grid_side(value, spec.side, what)
         if isinstance(spec, SplitEach):
@@ -328,6 +372,41 @@ class SequenceSplitHook(ModelHook):
         rest = x.narrow(dim, length, x.shape[dim] - length)
         head = self._split(x.narrow(dim, 0, length), spec, what)
         return torch.cat([head, rest], dim=dim) if rest.shape[dim] else head
+
+    def _split_tail(self, x, spec, what: str):
+        """``x`` with its last ``seq_len`` entries along ``spec.split_dim`` split (see :class:`SplitTail`)."""
+        if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
+            return x
+        length, dim = self.state.seq_len, spec.split_dim
+        if length is None or x.shape[dim] < length:
+            # Every rank has the same full inputs, so every rank raises here alike.
+            why = ("the length of the split part is not known in this forward (the sharding plan must split the "
+                   "sequence or read its length first)" if length is None else
+                   f"it is shorter than the split sequence ({length} tokens, from "
+                   f"{(self.state.seq_source or ('an earlier split',))[0]})")
+            raise SequenceParallelConfigError(
+                f"{what} of shape {list(x.shape)} holds whole tokens followed by the split sequence along dim {dim}, "
+                f"but {why}.")
+        whole = x.shape[dim] - length
+        tail = self._split(x.narrow(dim, whole, length), spec, what)
+        return torch.cat([x.narrow(dim, 0, whole), tail], dim=dim) if whole else tail
+
+    def _declare_length(self, value, length, what: str):
+        """Sets the forward's sequence length from ``value`` (see :class:`SequenceLength`); returns ``value``."""
+        if value is None:
+            return value
+        n, state = int(length(value)), self.state
+        if n < state.group.world_size:
+            raise SequenceParallelConfigError(
+                f"cannot split a sequence of {n} tokens over {state.group.world_size} ranks (the length given by "
+                f"{what}); use fewer ranks or a larger latent (height or width).")
+        if state.seq_len is not None and n != state.seq_len:
+            source, shape, dim = state.seq_source
+            raise SequenceParallelConfigError(
+                f"inputs disagree on the sequence length: {source} of shape {list(shape)} (dim {dim}) has "
+                f"{state.seq_len} entries, while {what} gives {n}.")
+        state.seq_len, state.seq_source = n, (what, (n,), 0)
+        return value
 
     def _grid_side(self, side_len, side: str, what: str):
         """``S_r`` for the grid's height, 1 for its width (see :class:`GridSide`); the full side is kept."""
@@ -435,10 +514,15 @@ class SequenceGatherHook(ModelHook):
         for i, spec in enumerate(self.specs):
             if spec is None or (spec.expected_dims is not None and items[i].ndim != spec.expected_dims):
                 continue
-            full = all_gather_along(items[i], spec.gather_dim, self.state.shard_sizes(), self.state.group)
+            sizes, whole = self.state.shard_sizes(), None
+            if isinstance(spec, GatherTail):  # [whole tokens; this rank's shard]: only the shard is gathered
+                dim, local = spec.gather_dim % items[i].ndim, sizes[self.state.group.rank]
+                whole = items[i].narrow(dim, 0, items[i].shape[dim] - local)
+                items[i] = items[i].narrow(dim, items[i].shape[dim] - local, local)
+            full = all_gather_along(items[i], spec.gather_dim, sizes, self.state.group)
             if self.state.order is not None:
                 full = full.index_select(spec.gather_dim % full.ndim, self.state.order.inverse.to(full.device))
-            items[i] = full
+            items[i] = full if whole is None or not whole.shape[dim] else torch.cat([whole, full], dim=dim)
         return items[0] if single else type(output)(items)
 
 
@@ -556,7 +640,7 @@ def _register_plan(model, plan, state, installed: list) -> None:
             hook_name = f"{HOOK_PREFIX}_grid:{name}"
             make = lambda: GridWindowHook(entry, state)  # noqa: E731
         else:
-            specs = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
+            specs = [entry] if isinstance(entry, (ContextParallelOutput, GatherTail)) else list(entry)
             hook_name = f"{HOOK_PREFIX}_gather:{name}"
             make = lambda: SequenceGatherHook(specs, state)  # noqa: E731
         for module in modules:

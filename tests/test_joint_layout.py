@@ -255,3 +255,33 @@ def test_split_each_splits_the_values_of_a_dict():
     out = hook._split_value(residuals, spec, "controlnet_block_samples")
     assert list(out) == [0, 3] and all(torch.equal(out[k], residuals[k][:, 8:]) for k in out)
     assert [t.shape[1] for t in hook._split_value(list(residuals.values()), spec, "r")] == [3, 3]
+
+
+def test_split_tail_and_sequence_length():
+    """SequenceLength (QwenImage 2.1's img_shapes) sets the forward's split length; SplitTail splits the
+    last that many entries and keeps the tokens before them whole (none in its cached steps); lengths
+    that disagree, or a SplitTail before any length, are refused alike on every rank."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import SPGroup
+    from diffusers_sp.sharding import SequenceLength, SequenceSplitHook, SequenceState, SplitTail
+
+    length = SequenceLength(lambda shapes: shapes[0][-1][1] * shapes[0][-1][2])
+    tail = SplitTail(ContextParallelInput(split_dim=0, expected_dims=2, split_output=False))
+    x = torch.arange(15 * 2).reshape(15, 2)  # 4 whole entries, then 11 split ones
+    parts = []
+    for rank in range(3):
+        hook = SequenceSplitHook({}, SequenceState(SPGroup(None, rank, 3, "gloo")))
+        shapes = [[(1, 1, 3), (1, 1, 11)]]
+        assert hook._split_value(shapes, length, "img_shapes") is shapes and hook.state.seq_len == 11
+        parts.append(hook._split_value(x, tail, "rotary_emb"))
+    assert [p.shape[0] for p in parts] == [8, 8, 7]  # shards 4, 4, 3 after the 4 whole entries
+    assert all(torch.equal(p[:4], x[:4]) for p in parts)
+    assert torch.equal(torch.cat([p[4:] for p in parts]), x[4:])
+    assert torch.equal(hook._split_value(x[4:], tail, "rotary_emb"), x[12:])  # no whole entries: rank 2's shard
+    with pytest.raises(SequenceParallelConfigError, match="shorter than the split sequence"):
+        hook._split_value(x[:9], tail, "rotary_emb")
+    with pytest.raises(SequenceParallelConfigError, match="gives 12"):
+        hook._split_value([[(1, 3, 4)]], length, "img_shapes")
+    with pytest.raises(SequenceParallelConfigError, match="not known in this forward"):
+        SequenceSplitHook({}, SequenceState(SPGroup(None, 0, 3, "gloo")))._split_value(x, tail, "rotary_emb")
