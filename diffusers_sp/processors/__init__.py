@@ -1,7 +1,7 @@
 """Attention processors, one per sequence-parallel strategy."""
 
 from .base import SequenceParallelAttnProcessor
-from .kv_gather import KVGatherAttnProcessor, SplitKVAttnProcessor
+from .kv_gather import KVGatherAttnProcessor, PrefixKVAttnProcessor, SplitKVAttnProcessor
 from .linear import LinearAttnProcessor
 from .ulysses import UlyssesAttnProcessor
 from .vsa import VideoSparseAttnProcessor
@@ -9,4 +9,4 @@ from .vsa import VideoSparseAttnProcessor
 PROCESSORS = {"ulysses": UlyssesAttnProcessor, "kv_gather": KVGatherAttnProcessor, "vsa": VideoSparseAttnProcessor}
 
 __all__ = ["SequenceParallelAttnProcessor", "UlyssesAttnProcessor", "KVGatherAttnProcessor", "VideoSparseAttnProcessor",
-           "SplitKVAttnProcessor", "LinearAttnProcessor", "PROCESSORS"]
+           "SplitKVAttnProcessor", "LinearAttnProcessor", "PrefixKVAttnProcessor", "PROCESSORS"]
