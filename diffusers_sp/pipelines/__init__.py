@@ -167,13 +167,14 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .ltx2 import LTX2
     from .mochi import MOCHI
     from .qwenimage import QWENIMAGE
+    from .qwenimage21 import QWENIMAGE21
     from .sana import SANA
     from .sd3 import SD3
     from .wan import WAN
     from .z_image import Z_IMAGE
 
     return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, HIDREAM, Z_IMAGE,
-            SANA)
+            SANA, QWENIMAGE21)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
