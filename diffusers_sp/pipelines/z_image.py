@@ -14,9 +14,9 @@ What is split: the unified sequence of the main layers as a whole, caption and p
 Every token there is treated alike (one modulation for all, or per token from the Omni noise mask),
 so no text needs to stay replicated, and its key padding mask is split with the tokens and gathered
 by the processors like an image key mask (``processors/base.py``). The refiners before it run whole
-on every rank: they are 2 + 2 of the 32 + 2 + 2 blocks of the released model, and their image
-tokens are the sequence of another length (the per-forward check of
-:class:`~diffusers_sp.sharding.SequenceSplitHook` allows one length per forward). Z-Image's ControlNet
+on every rank: 2 image and 2 caption blocks beside the 30 main layers of the released model (and 2
+SigLIP blocks in Omni); their image tokens are a sequence of another length, and the per-forward
+check of :class:`~diffusers_sp.sharding.SequenceSplitHook` allows one length per forward. Z-Image's ControlNet
 shares those refiner modules with the transformer (``ZImageControlNetModel.from_transformer``), and
 runs whole on every rank too. Its residuals, ``{layer index: [B, L, C]}`` over the same unified
 sequence, are split with it (:data:`~diffusers_sp.pipelines.CONTROLNET_RESIDUALS`).
