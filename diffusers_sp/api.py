@@ -504,7 +504,6 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     if getattr(target, _HANDLE_ATTR, None) is not None or any(getattr(m, _HANDLE_ATTR, None) for _, m in models):
         raise SequenceParallelConfigError(
             f"{traits.name}: sequence parallelism is already enabled; call disable_sequence_parallel() first.")
-    from . import cfg_parallel as _cfg
     from .replicas import resolve_layout
 
     pag = _perturbed_guidance(target)
@@ -628,7 +627,8 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
                                     swapped=tuple(family.swapped_processors))
         state.check = functools.partial(_check_model, installed)
         handle._models.append(installed)
-        installed.hooks = apply_plan(model, family.sharding_plan(model), state, refuse=family.unsupported_inputs)
+        installed.hooks = apply_plan(model, family.sharding_plan(model), state, refuse=family.unsupported_inputs,
+                                     hooks=family.forward_hooks(model, state) if family.forward_hooks else None)
         if vsa is not None:
             # Registered last, so its pre-forward runs first and sets the tile order for the splits.
             hook_name = "diffusers_sp_vsa_tile_order"

@@ -8,12 +8,13 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
   split those forward arguments (or, with ``split_output=True``, those outputs) along ``split_dim``;
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
-Entries of a dict may also be :class:`SplitByDims`, :class:`SplitEach` (lists of tensors) or
-:class:`PrefixCount` / :class:`TailCount` (an int counting leading / last tokens), :class:`SplitHead` /
-:class:`SplitTail` (the split sequence followed / preceded by tokens every rank keeps whole),
-:class:`SequenceLength` (an argument giving the split sequence's length) or :class:`GridSide` (an int
-side of the 2-D token grid). A module's entry may also be a :class:`GridWindow` (a module mixing
-neighbouring tokens of that grid) or a :class:`GatherTail` (gather the split tokens after whole ones).
+Besides Diffusers' specs, an entry may be a :class:`SplitEach` (a list, tuple or dict of tensors), a
+:class:`SplitByDims` (several accepted layouts), a :class:`JointSequence` (text joined to the
+sequence inside the model's forward: only the sequence part is split or gathered), a
+:class:`PrefixCount` / :class:`TailCount` (an int counting leading / last tokens), a
+:class:`SequenceLength` (an argument giving the split sequence's length) or a :class:`GridSide` (an
+int side of the 2-D token grid). A module's entry may also be a :class:`GridWindow` (a module mixing
+neighbouring tokens of that grid).
 
 Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
 tokens and P ranks, rank r gets ``S // P + (r < S % P)`` tokens, in rank order. Tensors whose rank
@@ -119,61 +120,63 @@ class TailCount:
     keys may be scaled). Shards are contiguous and in rank order, so each shard is ``[its history tokens;
     its chunk tokens]``, either part possibly empty, and the cut falls where the block makes it. The
     argument must reach the module after the sequence was split in the same forward."""
+TEXT_SIDES = ("prefix", "suffix")
 
 
 @dataclass(frozen=True)
-class SplitHead:
-    """A plan entry for a tensor whose ``spec.split_dim`` holds the split sequence first and then tokens
-    that every rank keeps whole, e.g. HiDream's position ids over ``[image; text]`` and its single-stream
-    blocks' ``[image; text]`` key scale: of ``S + T`` entries (``S``, the sequence length set by a split
-    made earlier in the same forward), the first ``S`` are split like the sequence and the last ``T``
-    pass whole after them, so that the tensor lines up with the local ``[image shard; text]`` tokens.
+class JointSequence:
+    """A plan entry for a tensor that joins replicated text entries to the split sequence along one
+    dimension, e.g. ``[B, T + S, C]`` hidden states that a model's forward concatenated itself:
+    ``spec`` (a ``ContextParallelInput`` to split, or a ``ContextParallelOutput`` to gather) applies to
+    the sequence part only; the text part stays whole on every rank, in place.
 
-    Attributes:
-        spec: A ``ContextParallelInput`` (its ``expected_dims`` and ``split_dim``); tensors of another
-            number of dims pass whole.
+    The text is the first (``text="prefix"``) or last (``"suffix"``) ``n - S`` entries along the
+    dimension, ``n`` being the tensor's extent there and ``S`` the sequence length set by this
+    forward's earlier splits (``S_r``, this rank's shard, for a gather). So such an entry must come
+    after a plain split in the forward; it raises otherwise. Why not read ``T`` elsewhere: the
+    per-forward sequence length is what every split is checked against already, while where the text
+    ends is known only inside the model (Lumina 2 passes ``[caption; image]`` to its joint blocks).
     """
 
     spec: object
+    text: str = "prefix"
 
+    def __post_init__(self):
+        if self.text not in TEXT_SIDES:
+            raise ValueError(f"JointSequence text must be one of {TEXT_SIDES}, got {self.text!r}")
 
-@dataclass(frozen=True)
-class SplitTail:
-    """A plan entry for a tensor whose ``spec.split_dim`` holds tokens that every rank keeps whole and
-    then the split sequence (:class:`SplitHead` from the other end), e.g. QwenImage 2.1's joint sequence
-    ``[text and condition images; target image]``, of which only the target is split: of ``W + S``
-    entries (``S``, the sequence length set earlier in the same forward, by a split or a
-    :class:`SequenceLength`), the first ``W`` pass whole and the last ``S`` are split like the sequence,
-    so that the tensor lines up with the local ``[whole tokens; this rank's shard]``. ``W`` may be 0
-    (QwenImage 2.1's cached steps run the target alone).
+    @property
+    def expected_dims(self):
+        return self.spec.expected_dims
 
-    Attributes:
-        spec: A ``ContextParallelInput`` (its ``expected_dims`` and ``split_dim``); tensors of another
-            number of dims pass whole.
-    """
+    def parts(self, x: torch.Tensor, dim: int, seq_len: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(text, sequence)`` views of ``x`` along ``dim`` (``seq_len`` sequence entries)."""
+        n = x.shape[dim]
+        if n < seq_len:
+            raise SequenceParallelConfigError(
+                f"{what} of shape {list(x.shape)} has {n} entries along dim {dim}, fewer than the {seq_len} "
+                f"sequence tokens it should hold after its text: the sharding plan does not match the model's "
+                f"forward (open an issue with the model class).")
+        text_len = n - seq_len
+        if self.text == "prefix":
+            return x.narrow(dim, 0, text_len), x.narrow(dim, text_len, seq_len)
+        return x.narrow(dim, seq_len, text_len), x.narrow(dim, 0, seq_len)
 
-    spec: object
+    def join(self, text: torch.Tensor, sequence: torch.Tensor, dim: int) -> torch.Tensor:
+        """Inverse of :meth:`parts` (with the sequence part split or gathered in between)."""
+        if text.shape[dim] == 0:
+            return sequence
+        return torch.cat([text, sequence] if self.text == "prefix" else [sequence, text], dim=dim)
 
 
 @dataclass(frozen=True)
 class SequenceLength:
     """A plan entry for an argument from which the length ``S`` of the sequence split in the forward is
     read (``length(value) -> int``; ``None`` passes), for a model whose first split tensor also holds
-    whole tokens (:class:`SplitTail`), so that no split can tell ``S``: e.g. QwenImage 2.1's
+    whole tokens (a :class:`JointSequence`, which needs ``S``), so that no split can tell it: e.g. QwenImage 2.1's
     ``img_shapes``, whose last entry is the target image. The argument passes unchanged."""
 
     length: Callable
-
-
-@dataclass(frozen=True)
-class GatherTail:
-    """In place of a ``ContextParallelOutput``: gathers an output that holds tokens every rank kept whole
-    and then this rank's part of the split sequence (the layout :class:`SplitTail` makes), along
-    ``gather_dim``: the whole tokens stay, the split part is all-gathered after them. Outputs of another
-    number of dims than ``expected_dims`` pass as they are."""
-
-    gather_dim: int
-    expected_dims: int | None = None
 
 
 @dataclass(frozen=True)
@@ -333,10 +336,8 @@ class SequenceSplitHook(ModelHook):
             return self._prefix_count(value, what)
         if isinstance(spec, TailCount):
             return self._tail_count(value, what)
-        if isinstance(spec, SplitHead):
-            return self._split_head(value, spec.spec, what)
-        if isinstance(spec, SplitTail):
-            return self._split_tail(value, spec.spec, what)
+        if isinstance(spec, JointSequence):
+            return self._split_joint(value, spec, what)
         if isinstance(spec, SequenceLength):
             return self._declare_length(value, spec.length, what)
         if isinstance(spec, GridSide):
@@ -355,41 +356,6 @@ class SequenceSplitHook(ModelHook):
                 return value
             return type(value)(self._split(v, s, what) for v, s in zip(value, spec))
         return self._split(value, spec, what)
-
-    def _split_head(self, x, spec, what: str):
-        """``x`` with its first ``seq_len`` entries along ``spec.split_dim`` split (see :class:`SplitHead`)."""
-        if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
-            return x
-        length, dim = self.state.seq_len, spec.split_dim
-        if length is None or x.shape[dim] < length:
-            # Every rank has the same full inputs, so every rank raises here alike.
-            why = ("no tensor was split before it in this forward, so the length of the split part is unknown "
-                   "(the sharding plan must split the sequence first)" if length is None else
-                   f"it is shorter than the split sequence ({length} tokens, from {(self.state.seq_source or ('an earlier split',))[0]})")
-            raise SequenceParallelConfigError(
-                f"{what} of shape {list(x.shape)} holds the split sequence followed by whole tokens along dim {dim}, "
-                f"but {why}.")
-        rest = x.narrow(dim, length, x.shape[dim] - length)
-        head = self._split(x.narrow(dim, 0, length), spec, what)
-        return torch.cat([head, rest], dim=dim) if rest.shape[dim] else head
-
-    def _split_tail(self, x, spec, what: str):
-        """``x`` with its last ``seq_len`` entries along ``spec.split_dim`` split (see :class:`SplitTail`)."""
-        if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
-            return x
-        length, dim = self.state.seq_len, spec.split_dim
-        if length is None or x.shape[dim] < length:
-            # Every rank has the same full inputs, so every rank raises here alike.
-            why = ("the length of the split part is not known in this forward (the sharding plan must split the "
-                   "sequence or read its length first)" if length is None else
-                   f"it is shorter than the split sequence ({length} tokens, from "
-                   f"{(self.state.seq_source or ('an earlier split',))[0]})")
-            raise SequenceParallelConfigError(
-                f"{what} of shape {list(x.shape)} holds whole tokens followed by the split sequence along dim {dim}, "
-                f"but {why}.")
-        whole = x.shape[dim] - length
-        tail = self._split(x.narrow(dim, whole, length), spec, what)
-        return torch.cat([x.narrow(dim, 0, whole), tail], dim=dim) if whole else tail
 
     def _declare_length(self, value, length, what: str):
         """Sets the forward's sequence length from ``value`` (see :class:`SequenceLength`); returns ``value``."""
@@ -456,6 +422,19 @@ class SequenceSplitHook(ModelHook):
                 f"{state.seq_len} of {source} of shape {list(shape)} (dim {dim}).")
         return state.shard_sizes()[state.group.rank] - self._prefix_count(state.seq_len - count, what)
 
+    def _split_joint(self, value, spec: JointSequence, what: str):
+        """Splits the sequence part of a :class:`JointSequence` tensor; its text part stays whole."""
+        inner = spec.spec
+        if not torch.is_tensor(value) or (inner.expected_dims is not None and value.ndim != inner.expected_dims):
+            return value
+        if self.state.seq_len is None:
+            raise SequenceParallelConfigError(
+                f"{what} joins text to the sequence, but no split of this forward has set the sequence length "
+                f"yet: the sharding plan does not match the model's forward (open an issue with the model class).")
+        dim = inner.split_dim % value.ndim
+        text, sequence = spec.parts(value, dim, self.state.seq_len, what)
+        return spec.join(text, self._split(sequence, inner, what), dim)
+
     def post_forward(self, module, output):
         out_specs = {k: v for k, v in self.entries.items() if isinstance(k, int)}
         if not out_specs:
@@ -514,15 +493,15 @@ class SequenceGatherHook(ModelHook):
         for i, spec in enumerate(self.specs):
             if spec is None or (spec.expected_dims is not None and items[i].ndim != spec.expected_dims):
                 continue
-            sizes, whole = self.state.shard_sizes(), None
-            if isinstance(spec, GatherTail):  # [whole tokens; this rank's shard]: only the shard is gathered
-                dim, local = spec.gather_dim % items[i].ndim, sizes[self.state.group.rank]
-                whole = items[i].narrow(dim, 0, items[i].shape[dim] - local)
-                items[i] = items[i].narrow(dim, items[i].shape[dim] - local, local)
-            full = all_gather_along(items[i], spec.gather_dim, sizes, self.state.group)
+            joint, spec = (spec, spec.spec) if isinstance(spec, JointSequence) else (None, spec)
+            sizes = self.state.shard_sizes()
+            dim = spec.gather_dim % items[i].ndim
+            text, local = (None, items[i]) if joint is None else joint.parts(
+                items[i], dim, sizes[self.state.group.rank], f"output {i} of {type(module).__name__}")
+            full = all_gather_along(local, dim, sizes, self.state.group)
             if self.state.order is not None:
-                full = full.index_select(spec.gather_dim % full.ndim, self.state.order.inverse.to(full.device))
-            items[i] = full if whole is None or not whole.shape[dim] else torch.cat([whole, full], dim=dim)
+                full = full.index_select(dim, self.state.order.inverse.to(full.device))
+            items[i] = full if joint is None else joint.join(text, full, dim)
         return items[0] if single else type(output)(items)
 
 
@@ -602,20 +581,31 @@ def _submodules(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
 
 
 def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState,
-               refuse: dict | None = None) -> list[tuple[torch.nn.Module, str]]:
-    """Registers split/gather hooks for ``plan`` on ``model``'s submodules, and a
-    :class:`SequenceForwardHook` on ``model`` (outermost of these, so it runs first) that refuses the
-    forward arguments named in ``refuse`` (``{name: why}``).
+               refuse: dict | None = None, hooks: dict | None = None) -> list[tuple[torch.nn.Module, str]]:
+    """Registers split/gather hooks for ``plan`` on ``model``'s submodules, then the family's own
+    ``hooks``, and a :class:`SequenceForwardHook` on ``model`` (outermost of these, so it runs first)
+    that refuses the forward arguments named in ``refuse`` (``{name: why}``).
+
+    Args:
+        hooks: ``{submodule name (``"layers.*"`` for every child): () -> ModelHook}``: rewrites that a
+            plan cannot express (:attr:`diffusers_sp.pipelines.FamilySpec.forward_hooks`). Registered
+            after the plan's hooks on the same module, so their ``pre_forward`` runs before the plan's
+            splits and their ``post_forward`` after the plan's splits and gathers.
 
     Returns:
         ``(module, hook name)`` pairs, for :func:`remove_hooks`.
 
     Raises:
-        SequenceParallelConfigError: a plan entry names a submodule the model does not have.
+        SequenceParallelConfigError: a plan entry or hook names a submodule the model does not have.
     """
     installed = []
     try:
         _register_plan(model, plan, state, installed)
+        for name, make in (hooks or {}).items():
+            hook_name = f"{HOOK_PREFIX}_family:{name}"
+            for module in _submodules_of(model, name, "a family hook"):
+                HookRegistry.check_if_exists_or_initialize(module).register_hook(make(), hook_name)
+                installed.append((module, hook_name))
         hook_name = f"{HOOK_PREFIX}_forward"
         HookRegistry.check_if_exists_or_initialize(model).register_hook(SequenceForwardHook(state, refuse), hook_name)
         installed.append((model, hook_name))
@@ -625,14 +615,17 @@ def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState,
     return installed
 
 
+def _submodules_of(model, name: str, what: str) -> list[torch.nn.Module]:
+    try:
+        return _submodules(model, name)
+    except AttributeError as exc:
+        raise SequenceParallelConfigError(
+            f"{type(model).__name__}: {what} names submodule {name!r}, which the model lacks.") from exc
+
+
 def _register_plan(model, plan, state, installed: list) -> None:
     for name, entry in plan.items():
-        try:
-            modules = _submodules(model, name)
-        except AttributeError as exc:
-            raise SequenceParallelConfigError(
-                f"{type(model).__name__}: sharding plan names submodule {name!r}, which the model lacks."
-            ) from exc
+        modules = _submodules_of(model, name, "sharding plan")
         if isinstance(entry, dict):
             hook_name = f"{HOOK_PREFIX}_split:{name}"
             make = lambda: SequenceSplitHook(entry, state)  # noqa: E731
@@ -640,7 +633,7 @@ def _register_plan(model, plan, state, installed: list) -> None:
             hook_name = f"{HOOK_PREFIX}_grid:{name}"
             make = lambda: GridWindowHook(entry, state)  # noqa: E731
         else:
-            specs = [entry] if isinstance(entry, (ContextParallelOutput, GatherTail)) else list(entry)
+            specs = [entry] if isinstance(entry, (ContextParallelOutput, JointSequence)) else list(entry)
             hook_name = f"{HOOK_PREFIX}_gather:{name}"
             make = lambda: SequenceGatherHook(specs, state)  # noqa: E731
         for module in modules:

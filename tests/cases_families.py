@@ -227,6 +227,138 @@ def case_functional_split_kv():
     return out
 
 
+def _functional_padding_both_sides(layout, kind):
+    """A padding mask over queries and keys, ``M[q, k] = m[q] and m[k]``, through the processors'
+    attention call (both dense strategies): boolean (padding queries fully masked) or CogView4's float
+    form ``m[q] * m[k]`` (an additive 1.0 on valid pairs, padding queries unbiased). Sample 0 pads two
+    text tokens, sample 1 two image tokens (the last ones: on the last rank only)."""
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors import KVGatherAttnProcessor, UlyssesAttnProcessor
+    from diffusers_sp.processors.base import split_text_image
+    from diffusers_sp.sharding import SequenceState, shard
+
+    class Inner:  # the model's processor: never called here, only its signature is read
+        def __call__(self, attn, hidden_states):
+            raise AssertionError
+
+    group = resolve_group()
+    g = _gen(11)
+    B, H, S, T, D = 2, 5, 35, 6, 8
+    L = T + S
+    q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
+    keep = torch.ones(B, L, dtype=torch.bool)
+    text, image = split_text_image(keep, T, layout, dim=1)
+    text[0, -2:] = False
+    image[1, -2:] = False
+    m = keep if kind == "bool" else keep.float()
+    full = (m[:, :, None] & m[:, None, :]) if kind == "bool" else m[:, :, None] * m[:, None, :]
+    full = full[:, None]  # [B, 1, L, L]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full)
+
+    def local(x, dim=2):
+        t, i = split_text_image(x, T, layout, dim=dim)
+        i = shard(i, dim, group.rank, group.world_size)
+        return torch.cat([t, i] if layout == "prefix" else [i, t], dim=dim)
+
+    mask = local(local(full, 2), 3)  # this rank's queries and keys, as the model builds it locally
+    out = {}
+    for cls in (UlyssesAttnProcessor, KVGatherAttnProcessor):
+        state = SequenceState(group, extra={"joint_text": layout})
+        state.seq_len = S
+        proc = cls(Inner(), state)
+        out[cls.strategy] = compare(local(ref), proc._attend(local(q), local(k), local(v), attn_mask=mask))
+    return out
+
+
+def case_functional_padding_both_sides_bool_prefix():
+    return _functional_padding_both_sides("prefix", "bool")
+
+
+def case_functional_padding_both_sides_float_suffix():
+    return _functional_padding_both_sides("suffix", "float")
+
+
+def _joint_sequence_plan(text_side: str) -> dict:
+    """A toy model that joins replicated text to its tokens inside its forward, as Lumina 2 does:
+    ``embed`` (output split: sets S) and ``refine`` (output gathered) run on the tokens alone, then
+    ``[text; tokens]`` (or ``[tokens; text]``) and a per-token table pass through ``block`` (both
+    split as :class:`~diffusers_sp.sharding.JointSequence` inputs) and ``out`` (gathered as one). The
+    text rows must stay whole and in place; the output must equal the unsplit forward bit for bit.
+    A family hook (``apply_plan(..., hooks=...)``) on ``block`` fills in an argument before the plan
+    splits it."""
+    from diffusers.hooks import ModelHook
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.sharding import JointSequence, SequenceState, apply_plan, remove_hooks
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix = torch.nn.Linear(8, 8)
+
+        def forward(self, hidden_states, table):  # [B, T + S, 8], [B, T + S]
+            return self.mix(hidden_states) * table[..., None]
+
+    class Joint(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.refine = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8)
+            self.block, self.out = Block(), torch.nn.Linear(8, 8)
+
+        def forward(self, tokens, text, table):  # [B, S, 4], [B, T, 8], [B, T + S]
+            x = self.refine(self.embed(tokens))
+            x = torch.cat([text, x] if text_side == "prefix" else [x, text], dim=1)
+            return self.out(self.block(x, table))
+
+    torch.manual_seed(0)
+    model = Joint()
+    g = _gen(3)
+    kwargs = dict(tokens=torch.randn(2, 35, 4, generator=g), text=torch.randn(2, 6, 8, generator=g),
+                  table=torch.rand(2, 41, generator=g))
+    split = lambda dims: JointSequence(ContextParallelInput(split_dim=1, expected_dims=dims), text_side)  # noqa: E731
+    plan = {"embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+            "refine": ContextParallelOutput(gather_dim=1, expected_dims=3),
+            "block": {"hidden_states": split(3), "table": split(2)},
+            "out": JointSequence(ContextParallelOutput(gather_dim=1, expected_dims=3), text_side)}
+    with torch.no_grad():
+        ref = model(**kwargs)
+        state = SequenceState(resolve_group())
+        hooks = apply_plan(model, plan, state)
+        try:
+            result = compare(ref, model(**kwargs))
+            result["seq_len"] = state.seq_len
+        finally:
+            remove_hooks(hooks)
+        # A family hook on the same module runs its pre_forward before the plan's splits: here it passes
+        # the table that the model's caller left out (as Lumina 2's hook passes the mask its blocks lack).
+        class FillTable(ModelHook):
+            def pre_forward(self, module, hidden_states, table):
+                return (hidden_states, kwargs["table"] if table is None else table), {}
+
+        hooks = apply_plan(model, plan, SequenceState(resolve_group()), hooks={"block": FillTable})
+        try:
+            result["family_hook"] = compare(ref, model(**{**kwargs, "table": None}))
+        finally:
+            remove_hooks(hooks)
+        # The text part is defined by the sequence length of an earlier split: without one, it raises.
+        early = {"block": {"hidden_states": split(3)}}
+        hooks = apply_plan(model, early, SequenceState(resolve_group()))
+        try:
+            result["no_earlier_split"] = error_of(lambda: model(**kwargs))
+        finally:
+            remove_hooks(hooks)
+    return result
+
+
+def case_joint_sequence_plan_prefix():
+    return _joint_sequence_plan("prefix")
+
+
+def case_joint_sequence_plan_suffix():
+    return _joint_sequence_plan("suffix")
+
+
 # ------------------------------------------------------------------ every family's forwards and pipelines
 # (the tiny configs of tests/families/; one case per forward and per pipeline, defined below)
 
@@ -282,11 +414,13 @@ def _pipeline_case(name: str) -> dict:
     call = _call_kwargs(pipe, spec)
 
     def run():
-        # The global RNG too: some pipelines sample from it (SD3's ControlNet pipelines encode the control
-        # image with ``latent_dist.sample()`` and no generator), and the reference and the parallel run
-        # must draw the same numbers. And a fresh copy of the arguments per call: a pipeline may change
-        # them in place (Z-Image's _encode_prompt replaces each prompt of the list by its chat-templated
-        # text), and the next call (or the next case, for families.PROMPTS) would then get other prompts.
+        # The same global RNG state in the reference and in each parallel run: a draw that takes no
+        # generator (SD3's ControlNet pipelines encode the control image with ``latent_dist.sample()``;
+        # CogView4ControlPipeline's VAE posterior sample) then gives the same numbers in all of them, as
+        # in two runs of one process from one seed.
+        # A fresh copy of the arguments per call, too: a pipeline may change them in place (Z-Image's
+        # _encode_prompt replaces each prompt of the list by its chat-templated text), and the next call
+        # (or the next case, for families.PROMPTS) would then get other prompts.
         torch.manual_seed(0)
         return _output_tensors(pipe(**copy.deepcopy(call), generator=torch.Generator().manual_seed(0)))
 
@@ -360,7 +494,8 @@ def case_rng_drift_inner_pipelines():
 
 
 def case_error_query_dependent_mask():
-    """A [B, 1, Lq, Lk] mask reaching a wrapped processor raises on every rank, in both modes."""
+    """A [B, 1, Lq, Lk] mask that is not a padding mask over queries and keys (here causal) reaching a
+    wrapped processor raises on every rank, in both modes."""
     g = _gen()
     model = tm.tiny_flux_transformer()
     ids = torch.zeros(35, 3)
@@ -371,7 +506,7 @@ def case_error_query_dependent_mask():
             def call():
                 # Local joint length on this rank: 7 text tokens + this rank's image shard.
                 L = 7 + handle._models[0].state.shard_sizes()[handle.rank]
-                mask = torch.ones(2, 1, L, L, dtype=torch.bool)
+                mask = torch.ones(2, 1, L, L, dtype=torch.bool).tril()
                 with torch.no_grad():
                     model(hidden_states=torch.randn(2, 35, 4, generator=g), encoder_hidden_states=torch.randn(2, 7, 32),
                           pooled_projections=torch.randn(2, 32), timestep=torch.tensor([0.5, 0.5]), img_ids=ids,

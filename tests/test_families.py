@@ -28,6 +28,8 @@ def results(request):
 
 @pytest.mark.parametrize("case", ["prefix_bool_mask", "suffix_float_mask", "suffix_per_head_mask",
                                   "one_text_token_no_mask", "no_text"])
+
+
 def test_joint_attention_strategies_exact(results, case):
     P, res = results
     for rank, v in enumerate(values(res, f"functional_{case}")):
@@ -60,6 +62,29 @@ def test_whole_queries_over_split_keys_exact(results):
         for mask in ("none", "bool_key_padding", "float_per_query", "bool_per_head"):
             assert_close(v[mask], f"P={P} rank {rank} split K/V {mask}")
         assert "this rank's shard" in v["wrong_length"], v["wrong_length"]
+
+
+@pytest.mark.parametrize("case", ["bool_prefix", "float_suffix"])
+def test_padding_mask_over_queries_and_keys_exact(results, case):
+    """M[q, k] = m[q] and m[k] (CogView4's attention_mask, in its float form) runs exactly instead of
+    being refused as query-dependent."""
+    P, res = results
+    for rank, v in enumerate(values(res, f"functional_padding_both_sides_{case}")):
+        for mode in MODES:
+            assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
+
+
+@pytest.mark.parametrize("side", ["prefix", "suffix"])
+def test_joint_sequence_plan_entries_exact(results, side):
+    """Text joined to the split sequence inside a model's forward (JointSequence plan entries): the
+    sequence part is split and gathered, the text part stays whole and in place; a family hook runs
+    before the plan's splits on its module."""
+    P, res = results
+    for rank, v in enumerate(values(res, f"joint_sequence_plan_{side}")):
+        assert v["equal"], f"P={P} rank {rank} {side}: {v}"
+        assert v["family_hook"]["equal"], f"P={P} rank {rank} {side} with a family hook: {v}"
+        assert v["seq_len"] == TOKENS
+        assert "no split of this forward has set the sequence length" in v["no_earlier_split"], v
 
 
 @pytest.mark.parametrize("case", FORWARDS)

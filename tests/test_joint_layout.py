@@ -8,7 +8,7 @@ import torch
 from diffusers_sp import SequenceParallelConfigError, enable_sequence_parallel
 from diffusers_sp.pipelines import FAMILIES, family_for_model, plan_without, supported_models
 from diffusers_sp.processors.base import (is_image_identity_mask, join_text_image, normalize_key_padding_mask,
-                                          split_text_image)
+                                          split_text_image, symmetric_padding_vector)
 from diffusers_sp.traits import ModelTraits, PipelineTraits
 from diffusers_sp.validation import choose_auto_mode, validate_mode
 
@@ -61,6 +61,21 @@ def test_image_identity_mask():
     other[..., 6, 0] = -1.0  # neither open nor closed
     assert not is_image_identity_mask(other, 3, "suffix")
     assert is_image_identity_mask(_pag_mask(4, 0), 0, None)
+
+
+def test_padding_mask_over_queries_and_keys_is_recognized():
+    """M[q, k] = m[q] and m[k] gives m back as a key padding mask (boolean, and the float 0/1 form
+    CogView4 builds); masks of any other form give None (and stay refused as query-dependent)."""
+    m = torch.tensor([[True, True, False, True], [True, False, True, True]])
+    both = (m[:, :, None] & m[:, None, :])[:, None]
+    assert torch.equal(symmetric_padding_vector(both, 2, 3, 4), m[:, None, None, :])
+    f = m.float()
+    cogview4 = ((f[:, :, None] @ f[:, None, :]) > 0)[:, None].to(torch.float32)
+    assert torch.equal(symmetric_padding_vector(cogview4, 2, 3, 4), f[:, None, None, :])
+    assert symmetric_padding_vector(torch.ones(4, 4, dtype=torch.bool).tril(), 2, 3, 4) is None  # causal
+    assert symmetric_padding_vector(cogview4 * 2.0, 2, 3, 4) is None  # a bias of 2: not a padding vector
+    assert symmetric_padding_vector(both[..., :3], 2, 3, 4) is None  # not square over the call's tokens
+    assert symmetric_padding_vector(m[:, None, None, :], 2, 3, 4) is None  # a key padding mask already
 
 
 def test_plans_keep_text_replicated():
@@ -213,34 +228,6 @@ def test_models_with_a_cp_plan_and_no_family_module_run_through_it():
                         case.split("_")[0]), (case, name)
 
 
-def test_split_head_splits_the_sequence_and_keeps_the_rest_whole():
-    """SplitHead (HiDream's ``[image; text]`` position ids and key scale): the first ``seq_len`` entries
-    are split like the sequence, the text after them stays whole on every rank; before any split, or
-    with fewer entries than the split sequence, every rank refuses alike."""
-    from diffusers.models._modeling_parallel import ContextParallelInput
-
-    from diffusers_sp.groups import SPGroup
-    from diffusers_sp.sharding import SequenceSplitHook, SequenceState, SplitHead
-
-    spec = SplitHead(ContextParallelInput(split_dim=1, expected_dims=3, split_output=False))
-    x = torch.arange(2 * 15 * 2).reshape(2, 15, 2)  # 11 image entries, then 4 text entries
-    parts = []
-    for rank in range(3):
-        state = SequenceState(SPGroup(None, rank, 3, "gloo"), seq_len=11)  # shards 4, 4, 3
-        parts.append(SequenceSplitHook({"ids": spec}, state)._split_value(x, spec, "ids"))
-    assert [p.shape[1] for p in parts] == [8, 8, 7]
-    assert torch.equal(torch.cat([p[:, :-4] for p in parts], dim=1), x[:, :11])
-    assert all(torch.equal(p[:, -4:], x[:, 11:]) for p in parts)
-    state = SequenceState(SPGroup(None, 1, 3, "gloo"), seq_len=11)
-    assert torch.equal(SequenceSplitHook({}, state)._split_value(x[:, :11], spec, "ids"), x[:, 4:8])  # no text
-    flat = x[0]
-    assert SequenceSplitHook({}, state)._split_value(flat, spec, "ids") is flat  # another number of dims: whole
-    with pytest.raises(SequenceParallelConfigError, match="shorter than the split sequence"):
-        SequenceSplitHook({}, state)._split_value(x[:, :9], spec, "ids")
-    with pytest.raises(SequenceParallelConfigError, match="no tensor was split before it"):
-        SequenceSplitHook({}, SequenceState(SPGroup(None, 0, 3, "gloo")))._split_value(x, spec, "ids")
-
-
 def test_split_each_splits_the_values_of_a_dict():
     """SplitEach on a dict ``{block index: [B, S, C]}`` (Z-Image's ControlNet residuals): every value
     is split like the sequence, keys kept; a list is split as before."""
@@ -257,17 +244,17 @@ def test_split_each_splits_the_values_of_a_dict():
     assert [t.shape[1] for t in hook._split_value(list(residuals.values()), spec, "r")] == [3, 3]
 
 
-def test_split_tail_and_sequence_length():
-    """SequenceLength (QwenImage 2.1's img_shapes) sets the forward's split length; SplitTail splits the
-    last that many entries and keeps the tokens before them whole (none in its cached steps); lengths
-    that disagree, or a SplitTail before any length, are refused alike on every rank."""
+def test_sequence_length_then_a_joint_sequence():
+    """SequenceLength (QwenImage 2.1's img_shapes) sets the forward's split length, so that a text-first
+    JointSequence can split a tensor whose first split already holds whole tokens (none in QwenImage
+    2.1's cached steps); lengths that disagree are refused alike on every rank."""
     from diffusers.models._modeling_parallel import ContextParallelInput
 
     from diffusers_sp.groups import SPGroup
-    from diffusers_sp.sharding import SequenceLength, SequenceSplitHook, SequenceState, SplitTail
+    from diffusers_sp.sharding import JointSequence, SequenceLength, SequenceSplitHook, SequenceState
 
     length = SequenceLength(lambda shapes: shapes[0][-1][1] * shapes[0][-1][2])
-    tail = SplitTail(ContextParallelInput(split_dim=0, expected_dims=2, split_output=False))
+    tail = JointSequence(ContextParallelInput(split_dim=0, expected_dims=2, split_output=False), text="prefix")
     x = torch.arange(15 * 2).reshape(15, 2)  # 4 whole entries, then 11 split ones
     parts = []
     for rank in range(3):
@@ -279,9 +266,8 @@ def test_split_tail_and_sequence_length():
     assert all(torch.equal(p[:4], x[:4]) for p in parts)
     assert torch.equal(torch.cat([p[4:] for p in parts]), x[4:])
     assert torch.equal(hook._split_value(x[4:], tail, "rotary_emb"), x[12:])  # no whole entries: rank 2's shard
-    with pytest.raises(SequenceParallelConfigError, match="shorter than the split sequence"):
-        hook._split_value(x[:9], tail, "rotary_emb")
+    assert hook._split_value(None, length, "img_shapes") is None
     with pytest.raises(SequenceParallelConfigError, match="gives 12"):
         hook._split_value([[(1, 3, 4)]], length, "img_shapes")
-    with pytest.raises(SequenceParallelConfigError, match="not known in this forward"):
-        SequenceSplitHook({}, SequenceState(SPGroup(None, 0, 3, "gloo")))._split_value(x, tail, "rotary_emb")
+    with pytest.raises(SequenceParallelConfigError, match="cannot split a sequence of 2 tokens over 3 ranks"):
+        SequenceSplitHook({}, SequenceState(SPGroup(None, 0, 3, "gloo")))._split_value([[(1, 1, 2)]], length, "s")

@@ -60,6 +60,11 @@ class FamilySpec:
         unsupported_inputs: ``{forward argument: what it is}``: arguments the family's plan does not
             split; a forward passing one that is not ``None`` raises SequenceParallelConfigError on
             every rank, before any collective.
+        forward_hooks: ``None`` or ``(model, state) -> {submodule name: () -> ModelHook}``: the family's
+            own hooks, for a rewrite that a plan cannot express (Lumina 2 turns its per-sample padded
+            ``[caption; image; padding]`` sequence into one caption prefix for the whole batch); they
+            may keep per-forward values in ``state.extra`` (:class:`~diffusers_sp.sharding.SequenceState`).
+            Registered after the plan's hooks (see :func:`~diffusers_sp.sharding.apply_plan`).
         attention_call: How the processors' attention calls are found: ``"sdpa"`` (every
             ``F.scaled_dot_product_attention`` call inside a wrapped processor is the self-attention)
             or ``"dispatch"`` (the calls the model's processor marks for context parallelism through
@@ -96,6 +101,7 @@ class FamilySpec:
     latent_grid: Callable | None = None
     self_attention_kv_first: Callable | None = None
     unsupported_inputs: dict = field(default_factory=dict)
+    forward_hooks: Callable | None = None
     attention_call: str = "sdpa"
     attention_processor: type | None = None
     cfg_strategy: str | None = None
@@ -158,13 +164,16 @@ def plan_without(plan: dict, drop: dict) -> dict:
 
 def _registry() -> tuple[FamilySpec, ...]:
     from .cogvideox import COGVIDEOX
+    from .cogview4 import COGVIEW4
     from .flux import FLUX
     from .flux2 import FLUX2
     from .helios import HELIOS
     from .hidream import HIDREAM
+    from .hunyuan_image import HUNYUAN_IMAGE
     from .hunyuan_video import HUNYUAN_VIDEO
     from .ltx import LTX
     from .ltx2 import LTX2
+    from .lumina2 import LUMINA2
     from .mochi import MOCHI
     from .qwenimage import QWENIMAGE
     from .qwenimage21 import QWENIMAGE21
@@ -173,8 +182,8 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .wan import WAN
     from .z_image import Z_IMAGE
 
-    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, HIDREAM, Z_IMAGE,
-            SANA, QWENIMAGE21)
+    return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
+            HUNYUAN_IMAGE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

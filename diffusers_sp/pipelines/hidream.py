@@ -16,9 +16,10 @@ get it extended by ones over the text (``[B, S + T]``).
 Sharding plan (no Diffusers ``_cp_plan``): split the patchified tokens at the input of ``x_embedder``
 (``[B, S, C]``, dim 1; this sets the sequence length S), the image part of the position ids at
 ``pe_embedder`` (``[B, S + T, 3]``: the first S entries are the image's, the text's ids stay whole;
-:class:`~diffusers_sp.sharding.SplitHead`), so that each RoPE table covers ``[this rank's image
-tokens; text]``, and ``hidden_states_masks`` at every block (``[B, S]``, and ``[B, S + T]`` with
-:class:`~diffusers_sp.sharding.SplitHead` in the single-stream blocks); gather the output of
+a :class:`~diffusers_sp.sharding.JointSequence` with the text last), so that each RoPE table covers
+``[this rank's image tokens; text]``, and ``hidden_states_masks`` at every block (``[B, S]``, and
+``[B, S + T]``, again a text-last :class:`~diffusers_sp.sharding.JointSequence`, in the single-stream
+blocks); gather the output of
 ``final_layer`` (``[B, S, p * p * C]``). The model computes the lengths it slices with from the local
 tensors (``image_tokens_seq_len``), so its ``[:, :S]`` slices select this rank's image tokens.
 """
@@ -27,16 +28,16 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..sharding import SplitHead
+from ..sharding import JointSequence
 from . import FamilySpec
 
 _TOKENS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
 _MASK = ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)
 _HIDREAM_PLAN = {
     "x_embedder": {"latent": _TOKENS},
-    "pe_embedder": {"ids": SplitHead(_TOKENS)},
+    "pe_embedder": {"ids": JointSequence(_TOKENS, text="suffix")},
     "double_stream_blocks.*": {"hidden_states_masks": _MASK},
-    "single_stream_blocks.*": {"hidden_states_masks": SplitHead(_MASK)},
+    "single_stream_blocks.*": {"hidden_states_masks": JointSequence(_MASK, text="suffix")},
     "final_layer": ContextParallelOutput(gather_dim=1, expected_dims=3),
 }
 

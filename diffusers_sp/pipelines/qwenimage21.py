@@ -25,23 +25,24 @@ passes its ``_parallel_config`` with every call). The target length ``S`` comes 
 (its last entry; :class:`~diffusers_sp.sharding.SequenceLength`); it is a multiple of 4 (each
 vision-language slot stands for 2 x 2 latent tokens), so it divides evenly over 2 ranks.
 
-Sharding plan (no Diffusers ``_cp_plan``): with :class:`~diffusers_sp.sharding.SplitTail` (the prefix
-whole, the last S entries split) the joint hidden states at the first block (``[B, W + S, C]``), and at
-every block the RoPE table (``[W + S, D/2]`` complex), ``target_token_mask`` (``[W + S]``), the key mask
-(``key_valid``, ``[B, W + S]``) and the cached steps' ``attention_mask`` (``[B, 1, 1, W + S]``, where the
-blocks' own sequence is the target alone, ``W = 0``); the final norm's ``target_token_mask``; gather the
-target part of ``proj_out`` (:class:`~diffusers_sp.sharding.GatherTail`). ``QwenImage21FlexAttnProcessor``
-(a flex ``BlockMask`` over the whole sequence) is refused at its first call.
+Sharding plan (no Diffusers ``_cp_plan``): with text-first :class:`~diffusers_sp.sharding.JointSequence`
+entries (the prefix whole, the last S entries split) the joint hidden states at the first block
+(``[B, W + S, C]``), and at every block the RoPE table (``[W + S, D/2]`` complex),
+``target_token_mask`` (``[W + S]``), the key mask (``key_valid``, ``[B, W + S]``) and the cached steps'
+``attention_mask`` (``[B, 1, 1, W + S]``, where the blocks' own sequence is the target alone,
+``W = 0``); the final norm's ``target_token_mask``; gather the target part of ``proj_out`` (a
+text-first ``JointSequence`` of a ``ContextParallelOutput``). ``QwenImage21FlexAttnProcessor`` (a flex
+``BlockMask`` over the whole sequence) is refused at its first call.
 """
 
 from __future__ import annotations
 
 import math
 
-from diffusers.models._modeling_parallel import ContextParallelInput
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
 from ..processors.kv_gather import PrefixKVAttnProcessor
-from ..sharding import GatherTail, SequenceLength, SplitTail
+from ..sharding import JointSequence, SequenceLength
 from . import FamilySpec
 
 
@@ -51,8 +52,10 @@ def _target_tokens(img_shapes) -> int:
     return math.prod(img_shapes[0][-1])
 
 
-def _tail(split_dim: int, expected_dims: int) -> SplitTail:
-    return SplitTail(ContextParallelInput(split_dim=split_dim, expected_dims=expected_dims, split_output=False))
+def _tail(split_dim: int, expected_dims: int) -> JointSequence:
+    """The last S entries along ``split_dim`` split, the prefix before them whole."""
+    return JointSequence(ContextParallelInput(split_dim=split_dim, expected_dims=expected_dims, split_output=False),
+                         text="prefix")
 
 
 _QWENIMAGE21_PLAN = {
@@ -61,7 +64,7 @@ _QWENIMAGE21_PLAN = {
     "transformer_blocks.*": {"rotary_emb": _tail(0, 2), "target_token_mask": _tail(0, 1), "key_valid": _tail(1, 2),
                              "attention_mask": _tail(3, 4)},
     "norm_out": {"target_token_mask": _tail(0, 1)},
-    "proj_out": GatherTail(gather_dim=1, expected_dims=3),
+    "proj_out": JointSequence(ContextParallelOutput(gather_dim=1, expected_dims=3), text="prefix"),
 }
 
 

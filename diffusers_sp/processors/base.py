@@ -17,12 +17,17 @@ as the family declares (``SequenceState.extra["joint_text"]``). ``T`` is read fr
 Masks. A *key padding mask* (one value per batch element and key token, the same for every query,
 boolean True = attend or additive float; shape broadcastable to ``[B, H, 1, L]``) is supported:
 its text part is replicated, its image part is all-gathered with the same uneven sizes as the keys,
-and the strategies receive the mask over the full key sequence in the model's order. A mask that
-varies along the query dimension would need the mask entries between this rank's queries and the
-other ranks' keys, which no rank has: it raises :class:`SequenceParallelConfigError`. One such mask is
-exact all the same, the *image identity mask* of perturbed-attention guidance (see
-:func:`is_image_identity_mask`): every image query sees only its own image key and the text, which are
-all on its rank, and every text query sees every key, as without a mask.
+and the strategies receive the mask over the full key sequence in the model's order. So is a
+*padding mask over queries and keys*, ``M[q, k] = m[q] and m[k]`` for one padding vector ``m``
+(boolean, or float ``m[q] * m[k]`` with ``m`` in {0, 1}: CogView4's ``attention_mask``): each row is
+then either ``m`` (a key padding mask) or, for a padding query, constant (all False: fully masked;
+all 0.0: no bias), so the call runs as up to two key-padding-mask calls whose rows are merged (see
+:func:`symmetric_padding_vector`). Any other mask that varies along the query dimension would need
+the mask entries between this rank's queries and the other ranks' keys, which no rank has: it
+raises :class:`SequenceParallelConfigError`. One more such mask is exact all the same, the *image
+identity mask* of perturbed-attention guidance (see :func:`is_image_identity_mask`): every image query
+sees only its own image key and the text, which are all on its rank, and every text query sees every
+key, as without a mask.
 """
 
 from __future__ import annotations
@@ -105,8 +110,46 @@ def normalize_key_padding_mask(attn_mask: torch.Tensor | None, batch: int, heads
             f"{where}: the attention mask depends on the query position (shape [B, H, Lq, Lk] with Lq > 1). "
             f"Under sequence parallelism each rank holds only its own keys' columns of such a mask, so it "
             f"cannot be applied exactly; only key padding masks ([B, 1, 1, L], one value per key token) "
-            f"are supported (modes 'ulysses' and 'kv_gather' alike).")
+            f"and padding masks over queries and keys (M[q, k] = m[q] and m[k]) are supported (modes "
+            f"'ulysses' and 'kv_gather' alike).")
     return m
+
+
+def symmetric_padding_vector(attn_mask: torch.Tensor | None, batch: int, heads: int,
+                             length: int) -> torch.Tensor | None:
+    """The padding vector ``m`` of a mask over queries and keys ``M[q, k] = m[q] and m[k]``, or ``None``.
+
+    Padding applied to both sides of the attention (the padding queries' rows masked too) makes such
+    a mask; CogView4's processor (Diffusers 0.42) builds its float form ``(m mᵀ > 0).to(dtype)`` from
+    the transformer's ``attention_mask``: an additive bias of 1.0 on valid query-key pairs and 0.0
+    elsewhere. Each row is ``m`` (a valid query) or constant (a padding query), and ``M[q, q] = m[q]``
+    gives ``m`` back.
+
+    Args:
+        attn_mask: ``None`` or the ``attn_mask`` of an SDPA call over ``length`` local queries and keys.
+        batch, heads, length: Shape of the call.
+
+    Returns:
+        ``m`` as a key padding mask ``[B or 1, H or 1, 1, length]`` (the mask's diagonal, same dtype)
+        when ``attn_mask`` is ``[B or 1, H or 1, length, length]`` with ``length > 1`` and equals
+        ``m[q] & m[k]`` (boolean) or ``m[q] * m[k]`` with every ``m`` in {0, 1} (float); else ``None``.
+    """
+    if attn_mask is None or attn_mask.dim() > 4:
+        return None
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if (length < 2 or m.shape[-2:] != (length, length) or m.shape[0] not in (1, batch)
+            or m.shape[1] not in (1, heads)):
+        return None
+    pad = m.diagonal(dim1=-2, dim2=-1)  # [B or 1, H or 1, L]: M[q, q] = m[q] and m[q] = m[q]
+    if m.dtype == torch.bool:
+        outer = pad[..., :, None] & pad[..., None, :]
+    elif bool(((pad == 0) | (pad == 1)).all()):
+        outer = pad[..., :, None] * pad[..., None, :]
+    else:
+        return None
+    return pad.unsqueeze(-2) if torch.equal(m, outer) else None
 
 
 def gather_key_padding_mask(mask: torch.Tensor | None, text_len: int, text_layout: str | None, sizes: list[int],
@@ -478,9 +521,22 @@ class SequenceParallelAttnProcessor:
                 is_image_identity_mask(attn_mask, text_len, layout):
             return self._identity_attention(query, key, value, attn_mask, sizes, scale=scale, text_len=text_len,
                                             text_layout=layout)
+        group = self.state.group
+        padding = None
+        if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1:
+            padding = symmetric_padding_vector(attn_mask, query.shape[0], query.shape[1], length)
+            if group.world_size > 1:
+                # Read from values, not shapes: every rank must take the same branch (a rank that
+                # raised below while the others gathered would leave them waiting).
+                group.check_device(query.device)
+                flags = all_gather_along(torch.tensor([padding is not None], device=query.device).to(torch.uint8),
+                                         0, [1] * group.world_size, group)
+                padding = padding if bool(flags.all()) else None
+        if padding is not None:
+            return self._attend_padded(query, key, value, padding, sizes, scale=scale, text_len=text_len)
         mask = normalize_key_padding_mask(attn_mask, query.shape[0], query.shape[1], length, name)
-        self.state.group.check_device(query.device)
-        mask = gather_key_padding_mask(mask, text_len, layout, sizes, self.state.group)
+        group.check_device(query.device)
+        mask = gather_key_padding_mask(mask, text_len, layout, sizes, group)
         return self.parallel_attention(query, key, value, sizes, scale=scale, text_len=text_len,
                                        text_layout=layout, key_mask=mask)
 
@@ -507,6 +563,22 @@ class SequenceParallelAttnProcessor:
                                        text_layout=text_layout, key_mask=None)
         text, _ = split_text_image(full, text_len, text_layout)
         return join_text_image(text, image, text_layout)
+
+    def _attend_padded(self, query, key, value, padding, sizes, *, scale, text_len):
+        """Attention under a padding mask over queries and keys (:func:`symmetric_padding_vector`):
+        the rows of valid queries attend under the key padding mask ``padding`` (gathered over all
+        keys), the rows of padding queries under the constant row the model's mask gives them (all
+        False: fully masked, or all 0.0: unbiased), computed in a second call only when the batch has
+        padding at all (the gathered mask tells, alike on every rank)."""
+        layout = self.state.extra.get("joint_text")
+        full = gather_key_padding_mask(padding, text_len, layout, sizes, self.state.group)
+        out = self.parallel_attention(query, key, value, sizes, scale=scale, text_len=text_len,
+                                      text_layout=layout, key_mask=full)
+        if bool((full != 0).all()):
+            return out
+        constant = self.parallel_attention(query, key, value, sizes, scale=scale, text_len=text_len,
+                                           text_layout=layout, key_mask=torch.zeros_like(full))
+        return torch.where((padding != 0).transpose(-1, -2), out, constant)  # rows: [B or 1, H or 1, L, 1]
 
     def parallel_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            sizes: list[int], *, scale: float | None, text_len: int = 0,

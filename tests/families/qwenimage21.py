@@ -109,11 +109,11 @@ def _vl_encoder(seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = Qwen3VLConfig(
-        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
+        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
                          rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "mrope_interleaved": True}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16, patch_size=16,
-                           spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                            deepstack_visual_indexes=[0]),
         image_token_id=62, video_token_id=63, vision_start_token_id=60, vision_end_token_id=61)
     return Qwen3VLForConditionalGeneration(cfg).eval()
@@ -132,8 +132,9 @@ def _vae(seed: int = 0):
 def tiny_qwenimage21_pipeline(seed: int = 0):
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
 
-    return QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae(seed), text_encoder=_vl_encoder(seed),
-                               processor=_vl_processor(), transformer=tiny_qwenimage21_transformer(seed))
+    return QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae(seed),
+                               text_encoder=_vl_encoder(seed), processor=_vl_processor(),
+                               transformer=tiny_qwenimage21_transformer(seed))
 
 
 PIPELINES = {

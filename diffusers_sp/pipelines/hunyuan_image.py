@@ -1,0 +1,65 @@
+"""HunyuanImage 2.1 (text-to-image, and its refiner) for sequence parallelism.
+
+Joint attention with the text *after* the image tokens (``[image; text]``) in the dual- and the
+single-stream blocks, and a text key padding mask: the model pads ``encoder_attention_mask`` with
+True over ``hidden_states.shape[1]`` image tokens in front (``[B, 1, 1, S + T]``); since the image
+tokens are split at the patch embedding, that is this rank's ``S_r``, which is what the processors
+expect (its image part is gathered with the keys). The text (the MLLM tokens, and the glyph (ByT5)
+tokens the model reorders per sample in front of them) is refined and joined on every rank and
+stays whole; the token refiner's own attention (``context_embedder``) is left alone.
+
+``HunyuanImageAttnProcessor`` passes its ``_parallel_config`` to ``dispatch_attention_fn`` for its
+one attention call, the joint self-attention: the family runs in dispatch mode.
+
+Sharding plan (explicit; Diffusers 0.42 ships no ``_cp_plan`` for this model): split the output of
+``x_embedder`` (``[B, S, C]``, dim 1; 2-D patches, or 3-D for the refiner's ``[B, C, 1, H, W]``
+latents) and the RoPE tables ``rope`` returns (``(cos, sin)``, ``[S, D]``, dim 0); gather
+``proj_out``.
+"""
+
+from __future__ import annotations
+
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+from . import FamilySpec
+
+_ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+_HUNYUAN_IMAGE_PLAN = {
+    "x_embedder": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    "rope": {0: _ROPE, 1: _ROPE},
+    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+}
+
+
+def hunyuan_image_patch_size(model) -> tuple[int, ...]:
+    """The config's ``patch_size``: ``(p_h, p_w)``, or ``(p_t, p_h, p_w)`` for the refiner's 3-D patches."""
+    return tuple(int(p) for p in model.config.patch_size)
+
+
+def hunyuan_image_sharding_plan(model) -> dict:
+    """The explicit plan of the module docstring."""
+    return dict(_HUNYUAN_IMAGE_PLAN)
+
+
+def hunyuan_image_attention_modules(model) -> list:
+    """``transformer_blocks.{i}.attn`` and ``single_transformer_blocks.{i}.attn`` (not the token refiner)."""
+    return ([(f"transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.transformer_blocks)]
+            + [(f"single_transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.single_transformer_blocks)])
+
+
+HUNYUAN_IMAGE = FamilySpec(
+    name="hunyuan_image",
+    model_classes=("HunyuanImageTransformer2DModel",),
+    is_video=False,
+    patch_size=hunyuan_image_patch_size,
+    sharding_plan=hunyuan_image_sharding_plan,
+    attention_modules=hunyuan_image_attention_modules,
+    joint_text="suffix",
+    text_mask=True,
+    attention_call="dispatch",
+    # With a guider, the pipelines make the conditional and the unconditional prediction as two calls
+    # named through cache_context; the distilled checkpoint and the refiner make one call per step, so
+    # cfg_parallel="auto" leaves CFG parallelism off.
+    cfg_strategy="two_call",
+    cfg_by_default=False,
+)
