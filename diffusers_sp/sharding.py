@@ -222,9 +222,10 @@ class SequenceState:
             split hooks; ``None`` before the forward's first split (reset by
             :class:`SequenceForwardHook` when the model's forward begins).
         seq_source: What set :attr:`seq_len`, ``(description, shape, dim)``; formatted only for an error.
-        inputs_split: Whether a forward argument of a submodule (not an output, such as a RoPE table) was
-            split in the current forward (reset with :attr:`seq_len`). Until then the tokens flowing
-            through the model are whole on every rank: a marked attention call of dispatch mode made
+        inputs_split: Whether the tokens flowing through the model were split in the current forward
+            (reset with :attr:`seq_len`): a forward argument of a submodule, or an output of at least 3
+            dims (``[B, S, C]`` tokens, e.g. HunyuanImage's ``x_embedder``; not a ``[S, D]`` RoPE table).
+            Until then the tokens are whole on every rank: a marked attention call of dispatch mode made
             before it (MiniMax-H3's text refiner, before its plan splits the packed sequence at the first
             block) runs as one process runs it (see
             :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`).
@@ -442,7 +443,10 @@ class SequenceSplitHook(ModelHook):
         single = torch.is_tensor(output)
         items = [output] if single else list(output)
         for index, spec in out_specs.items():
-            items[index] = self._split_value(items[index], spec, f"output {index} of {type(module).__name__}")
+            old = items[index]
+            items[index] = self._split_value(old, spec, f"output {index} of {type(module).__name__}")
+            if items[index] is not old and torch.is_tensor(old) and old.ndim >= 3:
+                self.state.inputs_split = True  # token states, not a RoPE table: see SequenceState
         return items[0] if single else type(output)(items)
 
 
