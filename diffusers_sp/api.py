@@ -617,7 +617,9 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
 
     group, transport, pgroups = handle.group, handle.transport, handle.groups
     groups_opt = opts["overlap_head_groups"]
-    processor_cls = PROCESSORS[handle.mode]
+    # A family whose attention has one exact parallel form of its own runs it whichever dense mode was
+    # asked for (Sana's linear attention: its key sums all-reduced, processors/linear.py).
+    processor_cls = family.attention_processor or PROCESSORS[handle.mode]
     for index, ((_, model), model_traits) in enumerate(zip(models, traits.models)):
         # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
         state = SequenceState(group, owner=traits.name, extra={"joint_text": model_traits.joint_text})

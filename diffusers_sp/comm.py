@@ -132,3 +132,10 @@ def broadcast_tensor(x: torch.Tensor, group: SPGroup, src: int = 0) -> torch.Ten
     y = x.clone(memory_format=torch.contiguous_format)  # one copy: broadcast writes in place
     dist.broadcast(y, src=dist.get_global_rank(group.group, src), group=group.group)
     return y
+
+
+def all_reduce_sum(x: torch.Tensor, group: SPGroup) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of ``group`` (same shape on every rank), on every rank."""
+    if group.world_size == 1:
+        return x
+    return _wait(funcol.all_reduce(x.contiguous(), "sum", group.group_name))

@@ -10,10 +10,13 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
   submodule that needs every token;
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
-Besides Diffusers' specs, an entry may be a :class:`SplitEach` (a list of tensors), a
+Besides Diffusers' specs, an entry may be a :class:`SplitEach` (a list, tuple or dict of tensors), a
 :class:`SplitByDims` (several accepted layouts), a :class:`JointSequence` (text joined to the
-sequence inside the model's forward: only the sequence part is split or gathered) or a
-:class:`PrefixCount` / :class:`TailCount` (an int counting leading / last tokens).
+sequence inside the model's forward: only the sequence part is split or gathered), a
+:class:`PrefixCount` / :class:`TailCount` (an int counting leading / last tokens), a
+:class:`SequenceLength` (an argument giving the split sequence's length) or a :class:`GridSide` (an
+int side of the 2-D token grid). A module's entry may also be a :class:`GridWindow` (a module mixing
+neighbouring tokens of that grid).
 
 Unlike Diffusers' own context-parallel hooks, shards here are balanced and may be uneven: with S
 tokens and P ranks, rank r gets ``S // P + (r < S % P)`` tokens, in rank order. Tensors whose rank
@@ -88,9 +91,10 @@ class SplitByDims:
 
 @dataclass(frozen=True)
 class SplitEach:
-    """A plan entry for an argument holding a list (or tuple) of tensors, each split by ``spec``
-    (a ``ContextParallelInput``), e.g. ControlNet residuals: one ``[B, S, C]`` tensor per block,
-    added to the image tokens."""
+    """A plan entry for an argument holding a list (or tuple) of tensors, or a dict whose values are
+    tensors, each split by ``spec`` (a ``ContextParallelInput``), e.g. ControlNet residuals: one
+    ``[B, S, C]`` tensor per block, added to the image tokens (a dict ``{block index: tensor}`` in
+    Z-Image's ``controlnet_block_samples``)."""
 
     spec: object
 
@@ -188,6 +192,48 @@ class GatherInput:
 
     gather_dim: int
     expected_dims: int | None = None
+
+
+@dataclass(frozen=True)
+class SequenceLength:
+    """A plan entry for an argument from which the length ``S`` of the sequence split in the forward is
+    read (``length(value) -> int``; ``None`` passes), for a model whose first split tensor also holds
+    whole tokens (a :class:`JointSequence`, which needs ``S``), so that no split can tell it: e.g. QwenImage 2.1's
+    ``img_shapes``, whose last entry is the target image. The argument passes unchanged."""
+
+    length: Callable
+
+
+@dataclass(frozen=True)
+class GridSide:
+    """A plan entry for an int argument that gives the ``"height"`` or ``"width"`` (``side``) of the 2-D
+    token grid a module reshapes its tokens into (``tokens.unflatten(1, (height, width))``), as Sana's
+    blocks do before their convolutional feed-forward. The full grid is kept for the forward
+    (``SequenceState.extra["grid"]``) and the module receives ``height = S_r``, ``width = 1``: its
+    shard as one column of tokens, in order, so that the reshape runs on the shard. What it then runs
+    over that "image" must be wrapped by a :class:`GridWindow` entry, which hands it the neighbouring
+    tokens of the real grid."""
+
+    side: str
+
+
+@dataclass(frozen=True)
+class GridWindow:
+    """A plan entry for a module that takes the tokens as an image ``[B, C, height, width]`` (the column
+    :class:`GridSide` makes of the shard, ``[B, C, S_r, 1]``) and mixes each token with its neighbours
+    up to ``halo`` rows and columns away on the full grid, zero-padded at its border: a (2·halo + 1)²
+    convolution between per-token layers, as Sana's ``GLUMBConv`` feed-forward (1 x 1, 3 x 3 depthwise,
+    1 x 1 convolutions).
+
+    The module runs on whole rows of the real grid: this rank's rows and ``halo`` rows above and below
+    (fewer at the border), the rank's tokens completed with its neighbours' tokens of those rows (one
+    all-gather of at most ``(halo + 1) · width`` tokens from each end of each shard), and its output is
+    cut back to the rank's tokens. Outputs on the window's first and last rows, where the window's
+    zero padding stands in for rows it lacks, belong to other ranks and are dropped; every kept token
+    sees exactly its neighbours of one process. Costs over one process's share: those halo rows' work.
+    """
+
+    halo: int = 1
 
 
 @dataclass
@@ -308,7 +354,7 @@ class SequenceSplitHook(ModelHook):
                 new = args[i] = self._split_value(old, spec, what)
             else:
                 continue
-            if new is not old and not isinstance(spec, (PrefixCount, TailCount)):
+            if new is not old and not isinstance(spec, (PrefixCount, TailCount, GridSide)):
                 self.state.inputs_split = True
         return tuple(args), kwargs
 
@@ -337,7 +383,13 @@ class SequenceSplitHook(ModelHook):
             return self._split_joint(value, spec, what)
         if isinstance(spec, GatherInput):
             return self._gather(value, spec, what)
+        if isinstance(spec, SequenceLength):
+            return self._declare_length(value, spec.length, what)
+        if isinstance(spec, GridSide):
+            return self._grid_side(value, spec.side, what)
         if isinstance(spec, SplitEach):
+            if isinstance(value, dict):
+                return {k: self._split(v, spec.spec, f"{what}[{k!r}]") for k, v in value.items()}
             if not isinstance(value, (list, tuple)):
                 return value
             return type(value)(self._split(v, spec.spec, f"{what}[{i}]") for i, v in enumerate(value))
@@ -349,6 +401,35 @@ class SequenceSplitHook(ModelHook):
                 return value
             return type(value)(self._split(v, s, what) for v, s in zip(value, spec))
         return self._split(value, spec, what)
+
+    def _declare_length(self, value, length, what: str):
+        """Sets the forward's sequence length from ``value`` (see :class:`SequenceLength`); returns ``value``."""
+        if value is None:
+            return value
+        n, state = int(length(value)), self.state
+        if n < state.group.world_size:
+            raise SequenceParallelConfigError(
+                f"cannot split a sequence of {n} tokens over {state.group.world_size} ranks (the length given by "
+                f"{what}); use fewer ranks or a larger latent (height or width).")
+        if state.seq_len is not None and n != state.seq_len:
+            source, shape, dim = state.seq_source
+            raise SequenceParallelConfigError(
+                f"inputs disagree on the sequence length: {source} of shape {list(shape)} (dim {dim}) has "
+                f"{state.seq_len} entries, while {what} gives {n}.")
+        state.seq_len, state.seq_source = n, (what, (n,), 0)
+        return value
+
+    def _grid_side(self, side_len, side: str, what: str):
+        """``S_r`` for the grid's height, 1 for its width (see :class:`GridSide`); the full side is kept."""
+        if not isinstance(side_len, int) or isinstance(side_len, bool):
+            return side_len
+        state = self.state
+        if state.seq_len is None:
+            raise SequenceParallelConfigError(
+                f"{what} is a side of the token grid, but no tensor was split before it in this forward (the "
+                f"sharding plan must split the sequence first).")
+        state.extra.setdefault("grid", {})[side] = side_len
+        return state.shard_sizes()[state.group.rank] if side == "height" else 1
 
     def _prefix_count(self, count, what: str):
         """This rank's part of ``count`` leading tokens (see :class:`PrefixCount`); non-ints pass as they are."""
@@ -472,6 +553,72 @@ class SequenceGatherHook(ModelHook):
         return items[0] if single else type(output)(items)
 
 
+class GridWindowHook(ModelHook):
+    """Runs a module on whole rows of the token grid around this rank's tokens (see :class:`GridWindow`)."""
+
+    def __init__(self, entry: GridWindow, state: SequenceState):
+        super().__init__()
+        self.halo = int(entry.halo)
+        self.state = state
+        self._cut: tuple[int, int] = (0, 0)
+        self._index: dict = {}  # (height, width, sizes, device) -> (lo, hi, before, after, k): one per shape
+
+    def _window_plan(self, height: int, width: int, sizes: tuple, device):
+        key = (height, width, sizes, device)
+        if key not in self._index:
+            rank = self.state.group.rank
+            starts = [sum(sizes[:q]) for q in range(len(sizes))]
+            start, end = starts[rank], starts[rank] + sizes[rank]
+            lo = max(0, start // width - self.halo) * width
+            hi = min(height, (end - 1) // width + self.halo + 1) * width
+            # Each rank sends its first and its last k tokens (all of them if it has fewer, zero-padded to
+            # k): a rank needs fewer than k tokens from either side (< halo rows plus a partial row), and
+            # of each rank it draws from, only an end within k of its own tokens.
+            k = min((self.halo + 1) * width, max(sizes))
+            ends = torch.tensor([s + n for s, n in zip(starts, sizes)])
+
+            def index(positions: torch.Tensor, last: bool) -> torch.Tensor:
+                q = torch.searchsorted(ends, positions, right=True)
+                i = positions - torch.tensor(starts)[q]
+                if last:
+                    held = torch.tensor(sizes)[q].clamp(max=k)
+                    i = k + i - (torch.tensor(sizes)[q] - held)
+                return (q * 2 * k + i).to(device)
+
+            self._index[key] = (lo, hi, index(torch.arange(lo, start), True), index(torch.arange(end, hi), False), k)
+        return self._index[key]
+
+    def pre_forward(self, module, x, *args, **kwargs):
+        state = self.state
+        grid = state.extra.get("grid", {})
+        name = type(module).__name__
+        height, width = grid.get("height"), grid.get("width")
+        sizes = state.shard_sizes()
+        rank = state.group.rank
+        if (height is None or width is None or height * width != state.seq_len or state.order is not None
+                or not torch.is_tensor(x) or x.ndim != 4 or tuple(x.shape[2:]) != (sizes[rank], 1)):
+            # The same shapes on every rank, so every rank raises here alike.
+            raise SequenceParallelConfigError(
+                f"{name} mixes neighbouring tokens of the {height} x {width} token grid, but got "
+                f"{list(x.shape) if torch.is_tensor(x) else type(x).__name__} for a sequence of {state.seq_len} tokens "
+                f"split {sizes}{' and reordered' if state.order is not None else ''}; its sharding plan does not "
+                f"match the model's forward.")
+        lo, hi, before, after, k = self._window_plan(height, width, tuple(sizes), x.device)
+        tokens = x.flatten(2)  # [B, C, S_r]
+        if state.group.world_size > 1:
+            held = min(k, sizes[rank])
+            pad = tokens.new_zeros(tokens.shape[:2] + (k - held,))
+            edges = torch.cat([tokens[..., :held], pad, tokens[..., sizes[rank] - held:], pad], dim=2)
+            gathered = all_gather_along(edges, 2, [2 * k] * state.group.world_size, state.group)
+            tokens = torch.cat([gathered.index_select(2, before), tokens, gathered.index_select(2, after)], dim=2)
+        self._cut = (sum(sizes[:rank]) - lo, sizes[rank])
+        return (tokens.unflatten(2, ((hi - lo) // width, width)), *args), kwargs
+
+    def post_forward(self, module, output):
+        offset, count = self._cut
+        return output.flatten(2).narrow(2, offset, count).unsqueeze(-1)
+
+
 def _submodules(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
     if name == "":
         return [model]
@@ -530,6 +677,9 @@ def _register_plan(model, plan, state, installed: list) -> None:
         if isinstance(entry, dict):
             hook_name = f"{HOOK_PREFIX}_split:{name}"
             make = lambda: SequenceSplitHook(entry, state)  # noqa: E731
+        elif isinstance(entry, GridWindow):
+            hook_name = f"{HOOK_PREFIX}_grid:{name}"
+            make = lambda: GridWindowHook(entry, state)  # noqa: E731
         else:
             specs = [entry] if isinstance(entry, (ContextParallelOutput, JointSequence)) else list(entry)
             hook_name = f"{HOOK_PREFIX}_gather:{name}"

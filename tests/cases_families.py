@@ -9,6 +9,7 @@ per-head masks); error cases check the refusals.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
@@ -34,9 +35,13 @@ def _ragged_mask(lengths, total):
 
 def _model_output(out) -> torch.Tensor:
     """A transformer's output to compare: ``sample``, followed by ``audio_sample`` where the model returns
-    one (LTX-2's audio stream, computed whole on every rank), flattened and joined."""
+    one (LTX-2's audio stream, computed whole on every rank), flattened and joined; a ``sample`` that is a
+    list of per-sample tensors (Z-Image's) is stacked."""
+    sample = out.sample
+    if isinstance(sample, (list, tuple)):
+        sample = torch.stack(list(sample))
     audio = getattr(out, "audio_sample", None)
-    return out.sample if audio is None else torch.cat([out.sample.flatten(), audio.flatten()])
+    return sample if audio is None else torch.cat([sample.flatten(), audio.flatten()])
 
 
 def _forward_all_modes(model, kwargs, modes=MODES) -> dict:
@@ -136,6 +141,72 @@ def case_functional_one_text_token_no_mask():
 
 def case_functional_no_text():
     return _functional(0, None, None, heads=4)
+
+
+def case_functional_grid_window():
+    """A module mixing 3 x 3 neighbourhoods of the token grid (a 1 x 1, a depthwise 3 x 3 and a 1 x 1
+    convolution, as Sana's GLUMBConv) run through GridSide / GridWindow hooks on each rank's shard,
+    against the whole grid. Grids: 5 x 7 (shards end inside rows), 2 x 20 (a shard's neighbour rows lie
+    on two other ranks), 3 x 1 (one column)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.sharding import GridSide, GridWindow, SequenceState, apply_plan, remove_hooks
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ff = torch.nn.Sequential(torch.nn.Conv2d(4, 6, 1), torch.nn.SiLU(),
+                                          torch.nn.Conv2d(6, 6, 3, 1, 1, groups=6), torch.nn.Conv2d(6, 4, 1))
+
+        def forward(self, tokens, height, width):  # tokens [B, S, C], as Sana's block reshapes them
+            image = tokens.unflatten(1, (height, width)).permute(0, 3, 1, 2)
+            return self.ff(image).flatten(2, 3).permute(0, 2, 1)
+
+    group = resolve_group()
+    torch.manual_seed(3)
+    block = Block().eval()
+    plan = {"": {"tokens": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
+                 "height": GridSide("height"), "width": GridSide("width")}, "ff": GridWindow(halo=1)}
+    out = {}
+    for height, width in ((5, 7), (2, 20), (3, 1)):
+        tokens = torch.randn(2, height * width, 4, generator=_gen(height))
+        with torch.no_grad():
+            ref = block(tokens, height, width)
+            state = SequenceState(group)
+            hooks = apply_plan(block, plan, state)
+            try:
+                local = block(tokens, height, width)
+            finally:
+                remove_hooks(hooks)
+            sizes = state.shard_sizes()
+            start = sum(sizes[:group.rank])
+            out[f"{height}x{width}"] = compare(ref[:, start:start + sizes[group.rank]], local)
+    return out
+
+
+def case_functional_linear_attention():
+    """Diffusers' SanaLinearAttnProcessor2_0 on this rank's shard of 35 tokens under LinearAttnProcessor
+    (its sums over the keys all-reduced) against the whole sequence; a softmax processor is refused."""
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0, SanaLinearAttnProcessor2_0
+
+    from diffusers_sp.groups import resolve_group
+    from diffusers_sp.processors.linear import LinearAttnProcessor
+    from diffusers_sp.sharding import SequenceState, shard
+
+    group = resolve_group()
+    torch.manual_seed(4)
+    attn = Attention(query_dim=16, heads=2, dim_head=8, bias=True, processor=SanaLinearAttnProcessor2_0()).eval()
+    hidden = torch.randn(2, 35, 16, generator=_gen(5))
+    state = SequenceState(group, seq_len=35)
+    with torch.no_grad():
+        ref = attn(hidden)
+        local = shard(hidden, 1, group.rank, group.world_size)
+        attn.set_processor(LinearAttnProcessor(attn.processor, state))
+        out = compare(shard(ref, 1, group.rank, group.world_size), attn(local))
+        attn.set_processor(LinearAttnProcessor(AttnProcessor2_0(), state))
+        softmax = error_of(lambda: attn(local))
+    return {"linear": out, "softmax_error": softmax}
 
 
 def case_functional_split_kv():
@@ -491,7 +562,7 @@ def _call_kwargs(pipe, spec) -> dict:
     where the pipeline's ``__call__`` takes them (LTX-2's DFR pipelines take ``sigmas`` instead of a step
     count), then the case's own."""
     takes = inspect.signature(type(pipe).__call__).parameters
-    call = {k: v for k, v in dict(prompt=families.PROMPTS, num_inference_steps=2, output_type="latent").items()
+    call = {k: v for k, v in dict(prompt=list(families.PROMPTS), num_inference_steps=2, output_type="latent").items()
             if k in takes}
     call.update(spec.call())
     return call
@@ -507,8 +578,11 @@ def _pipeline_case(name: str) -> dict:
         # generator (SD3's ControlNet pipelines encode the control image with ``latent_dist.sample()``;
         # CogView4ControlPipeline's VAE posterior sample) then gives the same numbers in all of them, as
         # in two runs of one process from one seed.
+        # A fresh copy of the arguments per call, too: a pipeline may change them in place (Z-Image's
+        # _encode_prompt replaces each prompt of the list by its chat-templated text), and the next call
+        # (or the next case, for families.PROMPTS) would then get other prompts.
         torch.manual_seed(0)
-        return _output_tensors(pipe(**call, generator=torch.Generator().manual_seed(0)))
+        return _output_tensors(pipe(**copy.deepcopy(call), generator=torch.Generator().manual_seed(0)))
 
     ref = run()
     results = {}

@@ -15,7 +15,7 @@ from distributed import assert_close, run_cases, values
 
 WORLD_SIZES = (2, 3)
 MODES = ("ulysses", "kv_gather")
-TOKENS = families.TOKENS  # image/video tokens of every forward case: divides neither 2 nor 3
+TOKENS = families.TOKENS  # image/video tokens of the forward cases (unless a Forward says): divides neither 2 nor 3
 FORWARDS = tuple(families.forward_cases())
 FORWARD_SPECS = families.forward_specs()
 PIPELINES = families.pipeline_cases()
@@ -36,6 +36,22 @@ def test_joint_attention_strategies_exact(results, case):
         for mode in MODES:
             assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
             assert_close(v[f"{mode} start/finish"], f"P={P} rank {rank} {case} {mode} start/finish")
+
+
+def test_grid_window_equals_the_whole_grid(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "functional_grid_window")):
+        for grid, metrics in v.items():
+            assert_close(metrics, f"P={P} rank {rank} grid {grid}")
+
+
+def test_linear_attention_sums_all_reduced(results):
+    P, res = results
+    per_rank = values(res, "functional_linear_attention")
+    assert len({v["softmax_error"] for v in per_rank}) == 1
+    for rank, v in enumerate(per_rank):
+        assert_close(v["linear"], f"P={P} rank {rank} linear attention")
+        assert "softmax attention call" in v["softmax_error"], v["softmax_error"]
 
 
 def test_whole_queries_over_split_keys_exact(results):

@@ -245,3 +245,48 @@ def test_models_with_a_cp_plan_and_no_family_module_run_through_it():
         name = family_for_model(model).name
         assert name == (f"cp_plan:{type(model).__name__}" if case.startswith(("chronoedit", "minimax")) else
                         case.split("_")[0]), (case, name)
+
+
+def test_split_each_splits_the_values_of_a_dict():
+    """SplitEach on a dict ``{block index: [B, S, C]}`` (Z-Image's ControlNet residuals): every value
+    is split like the sequence, keys kept; a list is split as before."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import SPGroup
+    from diffusers_sp.sharding import SequenceSplitHook, SequenceState, SplitEach
+
+    spec = SplitEach(ContextParallelInput(split_dim=1, expected_dims=3, split_output=False))
+    residuals = {0: torch.randn(2, 11, 4), 3: torch.randn(2, 11, 4)}
+    hook = SequenceSplitHook({}, SequenceState(SPGroup(None, 2, 3, "gloo")))  # shards 4, 4, 3: rank 2 has 8:11
+    out = hook._split_value(residuals, spec, "controlnet_block_samples")
+    assert list(out) == [0, 3] and all(torch.equal(out[k], residuals[k][:, 8:]) for k in out)
+    assert [t.shape[1] for t in hook._split_value(list(residuals.values()), spec, "r")] == [3, 3]
+
+
+def test_sequence_length_then_a_joint_sequence():
+    """SequenceLength (QwenImage 2.1's img_shapes) sets the forward's split length, so that a text-first
+    JointSequence can split a tensor whose first split already holds whole tokens (none in QwenImage
+    2.1's cached steps); lengths that disagree are refused alike on every rank."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import SPGroup
+    from diffusers_sp.sharding import JointSequence, SequenceLength, SequenceSplitHook, SequenceState
+
+    length = SequenceLength(lambda shapes: shapes[0][-1][1] * shapes[0][-1][2])
+    tail = JointSequence(ContextParallelInput(split_dim=0, expected_dims=2, split_output=False), text="prefix")
+    x = torch.arange(15 * 2).reshape(15, 2)  # 4 whole entries, then 11 split ones
+    parts = []
+    for rank in range(3):
+        hook = SequenceSplitHook({}, SequenceState(SPGroup(None, rank, 3, "gloo")))
+        shapes = [[(1, 1, 3), (1, 1, 11)]]
+        assert hook._split_value(shapes, length, "img_shapes") is shapes and hook.state.seq_len == 11
+        parts.append(hook._split_value(x, tail, "rotary_emb"))
+    assert [p.shape[0] for p in parts] == [8, 8, 7]  # shards 4, 4, 3 after the 4 whole entries
+    assert all(torch.equal(p[:4], x[:4]) for p in parts)
+    assert torch.equal(torch.cat([p[4:] for p in parts]), x[4:])
+    assert torch.equal(hook._split_value(x[4:], tail, "rotary_emb"), x[12:])  # no whole entries: rank 2's shard
+    assert hook._split_value(None, length, "img_shapes") is None
+    with pytest.raises(SequenceParallelConfigError, match="gives 12"):
+        hook._split_value([[(1, 3, 4)]], length, "img_shapes")
+    with pytest.raises(SequenceParallelConfigError, match="cannot split a sequence of 2 tokens over 3 ranks"):
+        SequenceSplitHook({}, SequenceState(SPGroup(None, 0, 3, "gloo")))._split_value([[(1, 1, 2)]], length, "s")

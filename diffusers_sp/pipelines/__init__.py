@@ -69,6 +69,11 @@ class FamilySpec:
             ``F.scaled_dot_product_attention`` call inside a wrapped processor is the self-attention)
             or ``"dispatch"`` (the calls the model's processor marks for context parallelism through
             ``dispatch_attention_fn``; see :mod:`diffusers_sp.pipelines.cp_plan`).
+        attention_processor: ``None`` (each dense mode's processor) or the processor class that wraps the
+            family's attention modules in every dense mode, for attention whose exact parallel form is
+            neither Ulysses nor plain K/V-gather: linear attention (Sana,
+            :class:`~diffusers_sp.processors.linear.LinearAttnProcessor`), or calls that mix whole and
+            split tokens (QwenImage 2.1, :class:`~diffusers_sp.processors.kv_gather.PrefixKVAttnProcessor`).
         cfg_strategy: How the family's pipelines run classifier-free guidance, for CFG parallelism
             (:mod:`diffusers_sp.cfg_parallel`): ``"two_call"`` (a conditional and an unconditional
             transformer call per step), ``"batch"`` (both folded into a batch of 2) or ``None`` (no
@@ -98,6 +103,7 @@ class FamilySpec:
     unsupported_inputs: dict = field(default_factory=dict)
     forward_hooks: Callable | None = None
     attention_call: str = "sdpa"
+    attention_processor: type | None = None
     cfg_strategy: str | None = None
     cfg_by_default: bool = True
     swapped_processors: tuple[str, ...] = ()
@@ -163,6 +169,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .flux import FLUX
     from .flux2 import FLUX2
     from .helios import HELIOS
+    from .hidream import HIDREAM
     from .hunyuan_image import HUNYUAN_IMAGE
     from .hunyuan_video import HUNYUAN_VIDEO
     from .ltx import LTX
@@ -170,14 +177,17 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .lumina2 import LUMINA2
     from .mochi import MOCHI
     from .qwenimage import QWENIMAGE
+    from .qwenimage21 import QWENIMAGE21
+    from .sana import SANA
     from .sd3 import SD3
     from .skyreels_v2 import SKYREELS_V2
     from .wan import WAN
     from .wan_animate import WAN_ANIMATE
     from .wan_vace import WAN_VACE
+    from .z_image import Z_IMAGE
 
     return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
-            HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE)
+            HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

@@ -18,7 +18,9 @@ Either can start before the queries exist (:func:`start_kv_gather`, :func:`finis
 which the K/V-first family hooks (Wan) use so that K and V travel while the query projection runs.
 
 The same gather serves attention calls whose queries are whole on every rank and whose keys and
-values are split (LTX-2's video-to-audio attention), in every mode: :class:`SplitKVAttnProcessor`.
+values are split (LTX-2's video-to-audio attention), in every mode: :class:`SplitKVAttnProcessor`; and
+the calls of a model whose processor attends the split tokens over whole tokens before them besides
+calls among those whole tokens alone (QwenImage 2.1), in every mode: :class:`PrefixKVAttnProcessor`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from ..comm import start_all_gather_dim0
 from ..copy_engine import barrier_timeout_ms, copy_or_fallback, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
 from ..validation import SequenceParallelConfigError
-from .base import (PendingKV, SequenceParallelAttnProcessor, gather_key_padding_mask, join_text_image,
-                   split_text_image)
+from .base import (_SDPA, PendingKV, SequenceParallelAttnProcessor, gather_key_padding_mask, join_text_image,
+                   normalize_key_padding_mask, split_text_image)
 
 
 def gather_kv(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,3 +335,56 @@ class SplitKVAttnProcessor(SequenceParallelAttnProcessor):
         mask = gather_key_padding_mask(mask, 0, None, sizes, self.state.group)
         return kv_gather_attention(query, key, value, sizes, self.state.group, scale=scale, kernel=self.kernel,
                                    key_mask=mask)
+
+
+class PrefixKVAttnProcessor(KVGatherAttnProcessor):
+    """Attention processor for models whose sequence is ``[W whole tokens; the split sequence]`` and
+    whose processor makes several attention calls over parts of it, each classified by its shapes:
+
+    * keys and queries among the whole tokens only (``L_k <= W``): run as they are, on every rank alike
+      (QwenImage 2.1's block-causal prefix: text and condition images, one call per block of them, with
+      the causal mask of the text);
+    * this rank's split tokens as queries over ``[W_k whole; this rank's shard]`` keys (``L_q = S_r``):
+      K/V-gather, the whole keys joined once to the gathered shard keys (QwenImage 2.1's target image
+      over everything before it; in its cached steps ``W_k`` are the prefix keys its K/V cache holds);
+    * queries and keys of the same ``[whole; shard]`` tokens: joint attention, K/V-gather.
+
+    ``W`` is read per call from the processor's input (``hidden_states`` ``[B, W + S_r, C]``). K/V-gather
+    runs whatever the mode: Ulysses exchanges query rows along with the keys, and these queries hold
+    only part of the keys' tokens. A key padding mask over the call's keys is gathered with them; a mask
+    that varies with the query is refused on the split calls, and a non-tensor mask (a flex
+    ``BlockMask``) on any. See :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor` for
+    the arguments (``transport``, ``head_groups`` and ``kv_first`` do not apply).
+    """
+
+    supports_kv_first = False
+
+    def _run_parallel(self, attn, *args, **kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self._whole = hidden.shape[1] - self.state.shard_sizes()[self.state.group.rank]
+        return super()._run_parallel(attn, *args, **kwargs)
+
+    def _attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        name = type(self.inner).__name__
+        if attn_mask is not None and not torch.is_tensor(attn_mask):
+            raise SequenceParallelConfigError(
+                f"{name}: an attention call with a {type(attn_mask).__name__} mask (flex attention's block mask over "
+                f"the whole sequence); under sequence parallelism each rank holds only its part of the sequence. "
+                f"Use the model's default processor (for QwenImage 2.1, QwenImage21AttnProcessor).")
+        sizes = self.state.shard_sizes()
+        local, whole = sizes[self.state.group.rank], self._whole
+        q_len, k_len = query.shape[2], key.shape[2]
+        if k_len <= whole and q_len <= whole:  # whole tokens only: what one process computes
+            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+        if q_len != local or k_len < local:  # [whole; shard] queries too: joint attention (checked there)
+            return super()._attend(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        self._check_call(name, query, key, dropout_p, is_causal, enable_gqa)
+        prefix = k_len - local  # whole keys before this rank's shard
+        mask = normalize_key_padding_mask(attn_mask, query.shape[0], query.shape[1], k_len, name)
+        self.state.group.check_device(query.device)
+        mask = gather_key_padding_mask(mask, prefix, "prefix", sizes, self.state.group)
+        pending = start_kv_gather(key, value, sizes, self.state.group, text_len=prefix, text_layout="prefix")
+        return finish_kv_gather(pending, query, scale=scale, kernel=self.kernel, key_mask=mask)

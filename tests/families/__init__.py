@@ -42,8 +42,9 @@ class Forward:
         modes: Dense modes (compared with one process) and ``"vsa"``: video sparse attention under
             each of its communication modes (``vsa_sp_mode``), compared with VSA on a one-rank group
             (VSA is not dense attention, so one process's dense output is not its reference).
-        tokens: Image/video tokens of the split sequence, for a case whose layout cannot make
-            :data:`TOKENS` (e.g. frames in causal blocks); it too must divide neither 2 nor 3.
+        tokens: Tokens of the split sequence, for a case whose layout cannot make :data:`TOKENS` (frames
+            in causal blocks; a model that pads its tokens to a multiple of 32 or to the longest
+            resolution of its config); it too must divide neither 2 nor 3 where the model allows.
     """
 
     build: Callable
