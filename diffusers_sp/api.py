@@ -242,7 +242,7 @@ def _check_model(installed: _InstalledModel) -> None:
     model = installed.model
     if retarget(model, installed.hooks):
         installed.modules = list(model.modules())
-    caches.check_no_diffusers_parallelism(model, installed.modules)
+    caches.check_no_diffusers_parallelism(model, modules=())  # its hooks: scan() below
     installed.caches.scan(installed.modules)
     for name, module, _, _, processor in installed.processors:
         if getattr(module, "processor", None) is not processor:

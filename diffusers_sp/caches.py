@@ -129,7 +129,8 @@ def check_no_diffusers_parallelism(model: torch.nn.Module, modules=None) -> None
     """Raises SequenceParallelConfigError when Diffusers' own parallelism is on ``model``:
     ``enable_parallelism`` (or ``from_pretrained(parallel_config=...)``), which records
     ``model._parallel_config``, or hooks of ``apply_context_parallel`` / tensor parallelism on
-    ``modules`` (default: all of ``model``'s). Reads only the model, so every rank raises alike."""
+    ``modules`` (default: all of ``model``'s; ``()``: the attribute only). Reads only the model, so
+    every rank raises alike."""
     if getattr(model, "_parallel_config", None) is not None or any(
             _hook_module(hook) in _PARALLEL_MODULES
             for _, registry in _registries(model.modules() if modules is None else modules)
@@ -270,32 +271,37 @@ class CacheSupport:
                     self._adapt(hook)
                     self._seen[id(hook)] = hook
 
-    def _refuse(self, hook, why: str):
+    def _refuse(self, hook, why: str, remedy: str):
         raise SequenceParallelConfigError(
-            f"{self.owner}: {type(hook).__name__} cannot run under sequence parallelism here: {why}. Remove it "
-            f"(transformer.disable_cache() for a cache) or change the setting named.")
+            f"{self.owner}: {type(hook).__name__} cannot run under sequence parallelism here: {why}. {remedy}.")
 
     def _check(self, hook) -> None:
         where = _hook_module(hook)
         if where in _PARALLEL_MODULES:
             raise _parallelism_error(self.owner)
         if where in _REFUSED_MODULES:
-            self._refuse(hook, _REFUSED_MODULES[where])
+            self._refuse(hook, _REFUSED_MODULES[where], "Remove it, or run without sequence parallelism")
         if where and where not in _KNOWN_MODULES and hook._is_stateful:
             self._refuse(hook, f"it comes from diffusers.hooks.{where}, which diffusers-sp has not been checked "
-                               f"against (a stateful hook may decide from this rank's shard alone)")
+                               f"against (a stateful hook may decide from this rank's shard alone)",
+                         "Remove it, or run without sequence parallelism")
         if isinstance(hook, AttentionProcessorSkipHook) and hook.skip_attention_scores:
             self._refuse(hook, "it replaces the attention scores inside the processor (LayerSkipConfig("
-                               "skip_attention_scores=True)), where the sequence-parallel attention runs instead")
+                               "skip_attention_scores=True)), where the sequence-parallel attention runs instead",
+                         "Skip the whole attention instead (skip_attention=True), or run without sequence parallelism")
         if self.cfg_strategy == "two_call" and isinstance(
                 hook, (PyramidAttentionBroadcastHook, FasterCacheBlockHook, FasterCacheDenoiserHook)):
             self._refuse(hook, "with CFG parallelism each CFG group runs one of the two transformer calls of a "
                                "step, while this cache keeps one state for both calls (one process serves the "
-                               "second call from what the first cached); use cfg_parallel=False")
+                               "second call from what the first cached)",
+                         "Enable sequence parallelism with cfg_parallel=False, or use a cache that keeps one state "
+                         "per call (First Block Cache, MagCache, SeaCache, TaylorSeer)")
         if (self.cfg_strategy == "batch" and isinstance(hook, (FasterCacheBlockHook, FasterCacheDenoiserHook))
                 and not hook.is_guidance_distilled):
             self._refuse(hook, "its unconditional-branch skipping needs the whole CFG batch in every block, "
-                               "which CFG parallelism splits between the two CFG groups; use cfg_parallel=False")
+                               "which CFG parallelism splits between the two CFG groups",
+                         "Enable sequence parallelism with cfg_parallel=False, or FasterCache with "
+                         "is_guidance_distilled=True")
 
     def _adapt(self, hook) -> None:
         if isinstance(hook, SeaCacheRootHook) and hook.raw_vision_callback is not None:
