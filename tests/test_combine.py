@@ -8,6 +8,8 @@ tests/cases_cfg.py at 2 and 4 (shared with test_cfg_parallel.py). The rest runs 
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -15,6 +17,12 @@ from diffusers_sp import enable_sequence_parallel
 from diffusers_sp.cfg_parallel import BATCHED_TOLERANCE
 from diffusers_sp.tiny_models import tiny_wan_transformer
 from distributed import FLOAT32_TOL as TOL, run_cases, values, within
+
+
+def _needs(package: str):
+    """Skips a test whose cases need ``package`` (in the ``test`` extra) when it is not installed."""
+    return pytest.mark.skipif(importlib.util.find_spec(package) is None,
+                              reason=f"{package} is not installed (pip install -e '.[test]')")
 
 
 @pytest.fixture(scope="module", params=(2, 3), ids=lambda p: f"P{p}")
@@ -80,8 +88,8 @@ def test_cpu_offload_either_order(results, case):
         assert v["before_disabled"]["equal"] and v["after_disabled"]["equal"], f"P={P} rank {rank} {case}: {v}"
 
 
-@pytest.mark.parametrize("case,weight", [("torchao_int8_through_config", "int8"),
-                                         ("torchao_float8_quantize", "float8"),
+@pytest.mark.parametrize("case,weight", [pytest.param("torchao_int8_through_config", "int8", marks=_needs("torchao")),
+                                         pytest.param("torchao_float8_quantize", "float8", marks=_needs("torchao")),
                                          ("layerwise_casting", None)])
 def test_quantized_and_cast_models(results, case, weight):
     P, res = results
@@ -95,6 +103,7 @@ def test_quantized_and_cast_models(results, case, weight):
             assert within(v["cast_after_enable"], TOL), f"P={P} rank {rank} {case}: {v}"
 
 
+@_needs("peft")
 def test_lora_loaded_fused_unloaded(results):
     P, res = results
     for rank, v in enumerate(values(res, "lora")):
