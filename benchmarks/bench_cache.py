@@ -56,7 +56,6 @@ from pathlib import Path
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -128,7 +128,6 @@ class SequenceParallelHandle:
         Caches, offloading, quantization and LoRA the user added stay as they are (with the attributes
         diffusers-sp set on cache hooks removed: see :mod:`diffusers_sp.caches`)."""
         for installed in self._models:
-            model = installed.model
             for module, name, wrapped in reversed(installed.chain_hooks):
                 unregister(module, name, wrapped)  # wherever Accelerate or a cache put it since
             installed.chain_hooks.clear()
@@ -562,8 +561,9 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
         # A cache decides once for what one process computes in one call: with CFG folded into the
         # batch and split between the CFG groups, that is the whole replica (diffusers_sp.caches).
         cfg_strategy = family.cfg_strategy if layout.cfg_degree == 2 else None
-        installed.caches = caches.CacheSupport(type(model).__name__, replica_group if cfg_strategy == "batch" else group,
-                                               state, cfg_strategy=cfg_strategy)
+        installed.caches = caches.CacheSupport(type(model).__name__,
+                                               replica_group if cfg_strategy == "batch" else group, state,
+                                               cfg_strategy=cfg_strategy)
         state.check = functools.partial(_check_model, installed)
         handle._models.append(installed)
         installed.hooks = apply_plan(model, family.sharding_plan(model), state, refuse=family.unsupported_inputs)
