@@ -272,15 +272,18 @@ def _model_processors(handle: "SequenceParallelHandle"):
                 _set_processor(module, wrapper)
 
 
-#: Pipeline methods that find IP-Adapter processors by class among the transformer's processors
-#: (``set_ip_adapter_scale``, ``unload_ip_adapter``): run with the model's own processors in place.
-_PROCESSOR_METHODS = ("set_ip_adapter_scale", "unload_ip_adapter")
+#: Pipeline methods that read the transformer's processors by class (``set_ip_adapter_scale`` selects
+#: IP-Adapter processors; ``load_ip_adapter`` and ``unload_ip_adapter`` build new processors of the
+#: classes they find): run with the model's own processors in place.
+_PROCESSOR_METHODS = ("set_ip_adapter_scale", "load_ip_adapter", "unload_ip_adapter")
 
 
 def _patch_processor_methods(pipe, handle: "SequenceParallelHandle") -> None:
     """Makes :data:`_PROCESSOR_METHODS` of ``pipe`` see the model's own processors
-    (:func:`_model_processors`); SD3's ``set_ip_adapter_scale`` would otherwise skip our wrappers
-    (it selects processors by class), and ``unload_ip_adapter`` would try to construct one."""
+    (:func:`_model_processors`): SD3's ``set_ip_adapter_scale`` would otherwise skip our wrappers (it
+    selects processors by class), and ``load_ip_adapter`` / ``unload_ip_adapter`` would try to
+    construct one with no arguments. The processors they install replace ours, which the next forward
+    refuses (:func:`_check_model`) until sequence parallelism is enabled again."""
     for method in _PROCESSOR_METHODS:
         original = getattr(pipe, method, None)
         if original is None:

@@ -261,3 +261,28 @@ def test_ip_adapter_weights_stay_registered():
     assert set(model.state_dict()) == keys
     handle.disable()
     assert attn.processor is processor and set(model.state_dict()) == keys
+
+
+def test_unload_ip_adapter_while_enabled_is_refused_at_the_next_forward():
+    """unload_ip_adapter() builds new processors of the classes it finds: with the model's own processors
+    put in place for the call it works, and the next forward refuses the replaced processors until
+    sequence parallelism is enabled again."""
+    from diffusers.models.embeddings import ImageProjection, MultiIPAdapterImageProjection
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxIPAdapterAttnProcessor
+
+    from diffusers_sp import SequenceParallelConfigError
+    from diffusers_sp.tiny_models import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline()
+    model = pipe.transformer
+    model.transformer_blocks[0].attn.set_processor(
+        FluxIPAdapterAttnProcessor(hidden_size=48, cross_attention_dim=8, num_tokens=(4,)))
+    model.encoder_hid_proj = MultiIPAdapterImageProjection(
+        [ImageProjection(image_embed_dim=8, cross_attention_dim=8, num_image_text_embeds=4)])
+    handle = enable_sequence_parallel(pipe, mode="kv_gather")
+    pipe.unload_ip_adapter()
+    assert type(model.transformer_blocks[0].attn.processor) is FluxAttnProcessor
+    with pytest.raises(SequenceParallelConfigError, match="unload_ip_adapter"):
+        pipe(prompt="a cat", height=10, width=14, max_sequence_length=8, num_inference_steps=1, output_type="latent")
+    handle.disable()
+    enable_sequence_parallel(pipe, mode="kv_gather").disable()
