@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -11,8 +12,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from diffusers.hooks import HookRegistry
 
+from . import caches
 from .comm import broadcast_tensor
 from .copy_engine import TRANSPORTS, copy_engine_unavailable_reason, head_group_sizes, release_workspaces
 from .groups import SPGroup, resolve_group, world_size_for
@@ -21,7 +22,8 @@ from .pipelines import resolve_target, transformers_of
 from .processors import PROCESSORS, SplitKVAttnProcessor
 from .processors.base import PARALLEL_CALL
 from .processors.vsa import VSA_DEFAULTS, TileOrderHook, VideoSparseAttnProcessor, load_gate_weights
-from .sharding import SequenceState, apply_plan, remove_hooks
+from .forward_chain import unregister
+from .sharding import SequenceState, apply_plan, attach, remove_hooks, retarget
 from .traits import PipelineTraits
 from .validation import SequenceParallelConfigError, validate_mode, validate_vsa
 
@@ -33,7 +35,18 @@ _PROCESSOR_ATTRIBUTES = ("_attention_backend", "_parallel_config")
 
 
 def _set_processor(module: torch.nn.Module, processor) -> None:
-    """``module.set_processor(processor)``; attention classes without it (``MochiAttention``) get the attribute."""
+    """``module.set_processor(processor)``; attention classes without it (``MochiAttention``) get the attribute.
+
+    A processor that is an ``nn.Module`` (IP-Adapter's, which holds the image-prompt projections) stays
+    registered as the module's child when our wrapper (not a module) takes its place: the wrapper
+    shadows it as the ``processor`` attribute only, so ``.to()``, ``state_dict()``, offloading and
+    casting still reach its weights under their own names. Setting a module processor again
+    (``disable()``) replaces both.
+    """
+    child = module.__dict__.get("_modules", {}).get("processor")
+    if isinstance(child, torch.nn.Module) and not isinstance(processor, torch.nn.Module):
+        object.__setattr__(module, "processor", processor)
+        return
     if hasattr(module, "set_processor"):
         module.set_processor(processor)
     else:
@@ -44,9 +57,11 @@ def _set_processor(module: torch.nn.Module, processor) -> None:
 class _InstalledModel:
     model: torch.nn.Module
     state: SequenceState
-    hooks: list
+    hooks: list  # sharding.AttachedHook: split / gather / forward hooks, run by torch in __call__
     processors: list  # (name, attention module, original processor, its saved attributes, our processor)
-    modules: list = field(default_factory=list)  # model.modules() at enable: where a cache hook is looked for
+    modules: list = field(default_factory=list)  # model.modules() at enable (and after a retarget): scanned per forward
+    chain_hooks: list = field(default_factory=list)  # (module, name, wrapper): Diffusers hooks placed innermost
+    caches: caches.CacheSupport | None = None
     # Processors a pipeline swaps in for a call (FamilySpec.swapped_processors): their class names, how to
     # wrap one (inner -> our processor) and the wrappers made, by id of the swapped-in processor.
     swapped: tuple = ()
@@ -121,17 +136,16 @@ class SequenceParallelHandle:
         return self.cfg_rank == 0 and self.rank == 0
 
     def disable(self) -> None:
-        """Restores the original processors and removes every hook; outputs are then the model's own."""
+        """Restores the original processors and removes every hook; outputs are then the model's own.
+        Caches, offloading, quantization and LoRA the user added stay as they are (with the attributes
+        diffusers-sp set on cache hooks removed: see :mod:`diffusers_sp.caches`)."""
         for installed in self._models:
-            model = installed.model
-            # Accelerate's hook added after enabling (enable_model_cpu_offload) wraps our hooked forward
-            # and calls ``model._old_forward``; Diffusers' hook removal would overwrite its wrapper and
-            # leave ours in ``_old_forward``, to come back when the offload is re-applied. Keep the
-            # wrapper and point it at the unhooked forward instead.
-            accelerate_forward = vars(model).get("forward") if "_old_forward" in vars(model) else None
+            for module, name, wrapped in reversed(installed.chain_hooks):
+                unregister(module, name, wrapped)  # wherever Accelerate or a cache put it since
+            installed.chain_hooks.clear()
             remove_hooks(installed.hooks)
-            if accelerate_forward is not None:
-                model._old_forward, model.forward = model.forward, accelerate_forward
+            if installed.caches is not None:
+                installed.caches.undo()
             originals = {id(wrapper): original for _, _, original, _, wrapper in installed.processors}
             swapped = {id(w): w.inner for w in installed.swap_wrappers.values()}
             for _, module, original, saved, wrapper in installed.processors:
@@ -240,78 +254,26 @@ def _latent_preparers(pipe, models) -> list:
     return [pipe, *inner]
 
 
-# Diffusers' caches (First Block Cache, MagCache, TaylorSeer, FasterCache, PAB) decide from the
-# activations whether to skip blocks; under sequence parallelism each rank sees only its shard and
-# would decide differently, and the ranks' collectives would no longer match.
-_CACHE_CONFLICT = (
-    "{model} has a Diffusers cache enabled (enable_cache or an apply_* cache function). Its skip decisions are taken on each "
-    "rank's own shard of the tokens, so the ranks would disagree and their collectives desynchronise. "
-    "Remove it (transformer.disable_cache()) to use sequence parallelism, or run the cache without it.")
-
-
-def _check_processors(model, family) -> None:
-    """Raises SequenceParallelConfigError when a self-attention module of ``model`` runs an IP-Adapter
-    processor (Diffusers' ``FluxIPAdapterAttnProcessor``, ``SD3IPAdapterJointAttnProcessor2_0``, ...).
-
-    Such a processor makes a second attention call, from the image queries to the image-prompt tokens;
-    the wrapper would take it for the self-attention (on a rank whose shard happens to be as long as
-    the image prompt) and enter a collective that the other ranks never join.
-    """
-    for name, module in family.attention_modules(model):
-        cls = type(getattr(module, "processor", None)).__name__
-        if "IPAdapter" in cls:
-            raise SequenceParallelConfigError(
-                f"{type(model).__name__}: {name} runs {cls}; IP-Adapter attention is not supported under "
-                "sequence parallelism. Call the pipeline's unload_ip_adapter() before enabling, or run "
-                "without sequence parallelism.")
-
-
-# Modules of diffusers.hooks whose hooks are such caches: applied through CacheMixin.enable_cache
-# (``is_cache_enabled``) or directly with their apply_* functions, as Diffusers' docs also show.
-_CACHE_HOOK_MODULES = ("first_block_cache", "mag_cache", "taylorseer_cache", "faster_cache",
-                       "pyramid_attention_broadcast", "sea_cache")
-# Accelerate's hooks (model / sequential CPU offload, device maps): enable_model_cpu_offload re-wraps
-# the transformer's forward after every pipeline call and drops the hooks registered on it.
-_OFFLOAD_CONFLICT = (
-    "{model} carries Accelerate hooks (enable_model_cpu_offload(), enable_sequential_cpu_offload() "
-    "or a device_map), which re-wrap its forward after every call and drop the sequence-parallel hooks. "
-    "Remove them (pipe.remove_all_hooks()) and move the pipeline to this rank's device; group offloading "
-    "(transformer.enable_group_offload) works with sequence parallelism.")
-
-
-def _uses_cache_hooks(modules) -> bool:
-    """Whether a Diffusers cache hook sits on any of ``modules``. Reads each module's ``__dict__``
-    directly (``nn.Module.__getattr__`` on a missing attribute raises and catches an AttributeError,
-    ~1.7 us a module): ~0.1 ms for the ~1000 modules of a large DiT, once per forward."""
-    for module in modules:
-        registry = module.__dict__.get("_diffusers_hook")
-        if registry is not None:
-            for hook in registry.hooks.values():
-                if type(hook).__module__.rsplit(".", 1)[-1] in _CACHE_HOOK_MODULES:
-                    return True
-    return False
-
-
-def _check_no_cache(model, modules=None) -> None:
-    """Raises SequenceParallelConfigError when a Diffusers cache (``enable_cache`` or an ``apply_*``
-    cache function, on ``modules``: default all of ``model``'s) or an Accelerate hook is on ``model``."""
-    name = type(model).__name__
-    if getattr(model, "is_cache_enabled", False) or _uses_cache_hooks(model.modules() if modules is None else modules):
-        raise SequenceParallelConfigError(_CACHE_CONFLICT.format(model=name))
-    if model.__dict__.get("_hf_hook") is not None:
-        raise SequenceParallelConfigError(_OFFLOAD_CONFLICT.format(model=name))
-
-
 def _check_model(installed: _InstalledModel) -> None:
-    """Raises SequenceParallelConfigError (the same on every rank: all ranks make the same calls) when
-    the model was changed after enabling in a way sequence parallelism cannot follow: a Diffusers cache
-    or an Accelerate hook added, or an attention processor replaced. Run when the model's forward
-    begins (``SequenceState.check``), over the modules listed at enable time.
+    """Run when the model's forward begins (``SequenceState.check``), before any split or collective;
+    every rank makes the same calls, so every rank raises alike.
 
-    A processor of a class the family lists in ``swapped_processors`` (PAG pipelines put theirs on for
-    each call and put the previous ones back after it) is wrapped here instead, like the model's own."""
+    Follows what was changed since the last forward: hooks of ours moved to modules that replaced
+    theirs (PEFT's LoRA layers; :func:`diffusers_sp.sharding.retarget`), caches added since adapted
+    (:meth:`diffusers_sp.caches.CacheSupport.scan`), and a processor of a class the family lists in
+    ``swapped_processors`` (PAG pipelines put theirs on for each call and put the previous ones back
+    after it) wrapped like the model's own.
+
+    Raises:
+        SequenceParallelConfigError: Diffusers' own parallelism enabled, a cache or hook that cannot
+            run under sequence parallelism (see :mod:`diffusers_sp.caches`), or an attention
+            processor replaced since enabling by one of another class.
+    """
     model = installed.model
-    _check_no_cache(model, installed.modules)
+    if retarget(model, installed.hooks):
+        installed.modules = list(model.modules())
+    caches.check_no_diffusers_parallelism(model, modules=())  # its hooks: scan() below
+    installed.caches.scan(installed.modules)
     for name, module, _, _, processor in installed.processors:
         current = getattr(module, "processor", None)
         if current is processor or any(current is w for w in installed.swap_wrappers.values()):
@@ -322,8 +284,8 @@ def _check_model(installed: _InstalledModel) -> None:
         raise SequenceParallelConfigError(
             f"{type(model).__name__}: the attention processor of {name} was replaced after "
             f"enable_sequence_parallel (by {type(current).__name__}; "
-            "fuse_qkv_projections() and set_attn_processor() do this on some models), so that "
-            "attention would see only this rank's tokens. Call disable_sequence_parallel(), which keeps "
+            "fuse_qkv_projections(), set_attn_processor(), load_ip_adapter() and unload_ip_adapter() do this), "
+            "so that attention would see only this rank's tokens. Call disable_sequence_parallel(), which keeps "
             "the new processors, then enable sequence parallelism again to wrap them.")
 
 
@@ -340,6 +302,49 @@ def _perturbed_guidance(target) -> str:
         return ""
     return ("perturbed-attention guidance (PAG) runs [uncond, cond, perturbed] (or [cond, perturbed]) as one "
             "transformer batch that its attention processors cut into those passes")
+
+
+@contextlib.contextmanager
+def _model_processors(handle: "SequenceParallelHandle"):
+    """Puts the model's own processors back in place of ours for the duration, and ours back after
+    it where a module still holds its own (a processor replaced meanwhile stays, and the next forward
+    refuses it: :func:`_check_model`)."""
+    swapped = []
+    for installed in handle._models:
+        for _, module, original, _, wrapper in installed.processors:
+            if getattr(module, "processor", None) is wrapper:
+                _set_processor(module, original)
+                swapped.append((module, original, wrapper))
+    try:
+        yield
+    finally:
+        for module, original, wrapper in swapped:
+            if getattr(module, "processor", None) is original:
+                _set_processor(module, wrapper)
+
+
+#: Pipeline methods that read the transformer's processors by class (``set_ip_adapter_scale`` selects
+#: IP-Adapter processors; ``load_ip_adapter`` and ``unload_ip_adapter`` build new processors of the
+#: classes they find): run with the model's own processors in place.
+_PROCESSOR_METHODS = ("set_ip_adapter_scale", "load_ip_adapter", "unload_ip_adapter")
+
+
+def _patch_processor_methods(pipe, handle: "SequenceParallelHandle") -> None:
+    """Makes :data:`_PROCESSOR_METHODS` of ``pipe`` see the model's own processors
+    (:func:`_model_processors`): SD3's ``set_ip_adapter_scale`` would otherwise skip our wrappers (it
+    selects processors by class), and ``load_ip_adapter`` / ``unload_ip_adapter`` would try to
+    construct one with no arguments. The processors they install replace ours, which the next forward
+    refuses (:func:`_check_model`) until sequence parallelism is enabled again."""
+    for method in _PROCESSOR_METHODS:
+        original = getattr(pipe, method, None)
+        if original is None:
+            continue
+
+        def call(*args, _original=original, **kwargs):
+            with _model_processors(handle):
+                return _original(*args, **kwargs)
+
+        handle.patch_attribute(pipe, method, functools.wraps(original)(call))
 
 
 def _gate_paths(spec, traits: PipelineTraits) -> list:
@@ -519,9 +524,10 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     if pag and cfg_parallel == "auto":
         layout = dataclasses.replace(layout, cfg_reason=pag)
     resolved = validate_mode(mode, traits, layout.sp_degree)
+    cfg_strategy = family.cfg_strategy if layout.cfg_degree == 2 else None
     for _, model in models:
-        _check_no_cache(model)
-        _check_processors(model, family)
+        caches.check_no_diffusers_parallelism(model)
+        caches.CacheSupport(type(model).__name__, None, cfg_strategy=cfg_strategy).check(model.modules())
     vsa = gate_error = None
     stray = sorted(k for k, v in given_vsa.items() if v is not None and resolved != "vsa")
     if stray:
@@ -559,6 +565,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         "vsa": None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"], opts["vsa_gate_weights"] is not None),
         "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
         "parallel_vae": bool(parallel_vae),
+        "hooks (caches, offloading, ...)": [caches.describe(model.modules()) for _, model in models],
         "vsa_gate_weights (read)": "ok" if gate_error is None else f"failed: {gate_error}"}
     launch = resolve_group(process_group)
     _check_same_on_all_ranks(launch, agree)
@@ -625,16 +632,20 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
         state = SequenceState(group, owner=traits.name, extra={"joint_text": model_traits.joint_text})
         installed = _InstalledModel(model, state, hooks=[], processors=[], modules=list(model.modules()),
                                     swapped=tuple(family.swapped_processors))
+        # A cache decides once for what one process computes in one call: with CFG folded into the
+        # batch and split between the CFG groups, that is the whole replica (diffusers_sp.caches).
+        cfg_strategy = family.cfg_strategy if layout.cfg_degree == 2 else None
+        installed.caches = caches.CacheSupport(type(model).__name__,
+                                               replica_group if cfg_strategy == "batch" else group, state,
+                                               cfg_strategy=cfg_strategy)
         state.check = functools.partial(_check_model, installed)
         handle._models.append(installed)
         installed.hooks = apply_plan(model, family.sharding_plan(model), state, refuse=family.unsupported_inputs,
                                      hooks=family.forward_hooks(model, state) if family.forward_hooks else None)
         if vsa is not None:
-            # Registered last, so its pre-forward runs first and sets the tile order for the splits.
-            hook_name = "diffusers_sp_vsa_tile_order"
-            HookRegistry.check_if_exists_or_initialize(model).register_hook(
-                TileOrderHook(state, family.latent_grid, vsa["tile"]), hook_name)
-            installed.hooks.append((model, hook_name))
+            # Attached last, so its pre-forward runs first and sets the tile order for the splits.
+            installed.hooks.append(attach("", model, TileOrderHook(state, family.latent_grid, vsa["tile"])))
+        installed.caches.scan(installed.modules)
         dispatch = family.attention_call == "dispatch"
         if vsa is None:
             installed.wrap = functools.partial(processor_cls, state=state, kernel=opts["attention_kernel"],
@@ -677,6 +688,7 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
         _sync_rng_states(replica_group)
         for pipe in _latent_preparers(target, models):
             _patch_prepare_latents(pipe, replica_group, handle)
+        _patch_processor_methods(target, handle)
     setattr(target, _HANDLE_ATTR, handle)
 
 

@@ -43,15 +43,17 @@ speed is gained over ``cfg_degree = 1``; with CFG off, launch sequence paralleli
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.hooks.hooks import StateManager
+from diffusers.hooks import ModelHook
+from diffusers.hooks.hooks import StateManager, _set_cache_context
 
 from .comm import all_gather_dim0
+from .forward_chain import register_innermost
 from .groups import ParallelGroups, SPGroup
 
 #: Max abs difference relative to the output's scale for the batched path (float32, CPU): a batch of
@@ -165,9 +167,16 @@ class _NoState:  # StateManager needs a state class; the hook only reads the con
 class CFGParallelHook(ModelHook):
     """Runs one transformer forward per CFG group and exchanges the outputs (see the module docstring).
 
-    Registered outermost on the transformer (after the sequence-parallel hooks), so each group's
-    forward is itself split over its ``sp`` group. Stateful: Diffusers passes it the pipeline's
-    ``cache_context`` ("cond" / "uncond", step index) through :class:`StateManager`.
+    Registered innermost in the transformer's ``forward`` chain
+    (:func:`diffusers_sp.forward_chain.register_innermost`): inside the sequence-parallel split,
+    which runs in the model's ``__call__`` (:mod:`diffusers_sp.sharding`), so each group's forward is
+    itself split over its ``sp`` group; inside Accelerate's offload wrapper, which is re-made after
+    every pipeline call; and inside any Diffusers cache hook on the model itself, which thus sees the
+    pipeline's call (FasterCache's denoiser hook needs the whole CFG batch). Stateful: Diffusers
+    passes it the pipeline's ``cache_context`` ("cond" / "uncond", step index) through
+    :class:`StateManager`. A CFG group that computes the other pass during the first call does so
+    under that pass's cache context, so that a Diffusers cache keeps one state per pass
+    ("cond", "uncond") on every rank as it does in one process.
 
     Args:
         groups: The :class:`~diffusers_sp.groups.ParallelGroups` (its ``cfg`` group has 2 ranks).
@@ -213,7 +222,7 @@ class CFGParallelHook(ModelHook):
         call = self._bind(module, args, kwargs)
         if self.strategy == "batch":
             return self._batch_split(forward, call)
-        return self._two_call(forward, call)
+        return self._two_call(module, forward, call)
 
     # -- CFG folded into the batch ---------------------------------------------------------------
     def _batch_split(self, forward, call):
@@ -248,7 +257,7 @@ class CFGParallelHook(ModelHook):
             return partner_name, {**call, **diff}
         return None
 
-    def _two_call(self, forward, call):
+    def _two_call(self, module, forward, call):
         ctx = self.context._context
         name = ctx.name if ctx is not None else None
         if self.pending is not None:
@@ -278,7 +287,16 @@ class CFGParallelHook(ModelHook):
             self.stats["redundant"] += 1
             return forward(**call)
         partner_name, partner = predicted
-        out = forward(**(call if self.groups.cfg_rank == 0 else partner))
+        if self.groups.cfg_rank == 0:
+            out = forward(**call)
+        else:
+            # The other pass, computed now under its own cache context: a cache's per-context state
+            # ("uncond") then follows the same trajectory as in one process.
+            _set_cache_context(module, dataclasses.replace(ctx, name=partner_name))
+            try:
+                out = forward(**partner)
+            finally:
+                _set_cache_context(module, ctx)
         mine, theirs = exchange_pair(out, self.groups.cfg)
         self.pending = _Pending(partner_name, partner, theirs)
         self.stats["parallel"] += 1
@@ -294,7 +312,7 @@ def install(target, family_name: str, models: list, groups: ParallelGroups, hand
         models: ``[(attribute, transformer)]``.
         groups: The launch's :class:`ParallelGroups` with ``cfg_degree == 2``.
         handle: The :class:`~diffusers_sp.api.SequenceParallelHandle`; the hooks are appended to its
-            models' hook lists and the pipeline patch to its patches, so ``disable()`` removes them.
+            models' ``chain_hooks`` and the pipeline patch to its patches, so ``disable()`` removes them.
         strategy: ``"two_call"`` or ``"batch"`` (the family's ``cfg_strategy``).
 
     Returns:
@@ -304,8 +322,8 @@ def install(target, family_name: str, models: list, groups: ParallelGroups, hand
     hooks = []
     for (_, model), installed in zip(models, handle._models):
         hook = CFGParallelHook(groups, strategy, shared)
-        HookRegistry.check_if_exists_or_initialize(model).register_hook(hook, _HOOK_NAME)
-        installed.hooks.append((model, _HOOK_NAME))
+        wrapped = register_innermost(model, hook, _HOOK_NAME)
+        installed.chain_hooks.append((model, _HOOK_NAME, wrapped))
         hooks.append(hook)
     encode = getattr(target, "encode_prompt", None)
     if family_name == "wan" and encode is not None and target is not models[0][1]:

@@ -22,7 +22,16 @@ Unlike Diffusers' own context-parallel hooks, shards here are balanced and may b
 tokens and P ranks, rank r gets ``S // P + (r < S % P)`` tokens, in rank order. Tensors whose rank
 (number of dims) differs from ``expected_dims`` pass through whole, as in Diffusers.
 
-The hooks are Diffusers' own :class:`diffusers.hooks.ModelHook` / ``HookRegistry``.
+The hooks have Diffusers' :class:`diffusers.hooks.ModelHook` interface (``pre_forward`` /
+``post_forward``) but run as torch module hooks (``register_forward_pre_hook(with_kwargs=True)`` and
+``register_forward_hook``; see :func:`attach`), in ``nn.Module.__call__``, outside the module's
+``forward``. Everything that wraps ``forward`` instead -- Diffusers' ``HookRegistry`` (caches, group
+offloading, layerwise casting) and Accelerate's ``add_hook_to_module`` (``enable_model_cpu_offload``,
+``enable_sequential_cpu_offload``) -- therefore runs inside our split and gather, on this rank's shard,
+whether it was added before or after enabling; and re-wrapping ``forward`` (Accelerate's model offload
+does it after every pipeline call) cannot drop them. Had they been Diffusers hooks, a cache enabled
+afterwards would sit outside the split of ``blocks.0`` and see the full sequence going in and a shard
+coming out.
 """
 
 from __future__ import annotations
@@ -32,15 +41,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks import ModelHook
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
 from .comm import all_gather_along
 from .groups import SPGroup
 from .validation import SequenceParallelConfigError
-
-HOOK_PREFIX = "diffusers_sp"
-
 
 def balanced_sizes(total: int, parts: int) -> list[int]:
     """Sizes of ``parts`` balanced shards of ``total`` items: the first ``total % parts`` get one more.
@@ -259,7 +265,12 @@ class SequenceState:
             forward, set by a hook of the mode that needs it (VSA).
         check: Called when the model's forward begins (:class:`SequenceForwardHook`), before any split
             or collective; raises (identically on every rank) when the model was changed in a way
-            sequence parallelism cannot follow (e.g. a Diffusers cache enabled afterwards).
+            sequence parallelism cannot follow (e.g. Diffusers' own context parallelism enabled
+            afterwards), and adapts what was added since the last forward (a cache: see
+            :mod:`diffusers_sp.caches`).
+        call: ``(args, kwargs)`` of the model's current forward as the caller passed them, before any
+            split (shallow copies; ``None`` outside a forward): for code that needs the whole input,
+            such as SeaCache's indicator (:mod:`diffusers_sp.caches`).
     """
 
     group: SPGroup
@@ -270,6 +281,7 @@ class SequenceState:
     extra: dict[str, Any] = field(default_factory=dict)
     order: TokenOrder | None = None
     check: Callable[[], None] | None = None
+    call: tuple | None = None
 
     def shard_sizes(self) -> list[int]:
         """Tokens held by each rank for the current forward."""
@@ -497,9 +509,9 @@ class SequenceSplitHook(ModelHook):
 class SequenceForwardHook(ModelHook):
     """Marks the start of the model's forward: runs ``state.check``, forgets the previous forward's
     sequence length, so that every split of this forward is checked against the first one (see
-    :class:`SequenceSplitHook`), and refuses the forward arguments in ``refuse`` (``{name: why}``)
-    when they are not ``None``.
-    Registered on the model after the plan's hooks, so its pre-forward runs before theirs."""
+    :class:`SequenceSplitHook`), keeps the unsplit call in ``state.call`` until the forward returns,
+    and refuses the forward arguments in ``refuse`` (``{name: why}``) when they are not ``None``.
+    Attached to the model after the plan's hooks, so its pre-forward runs before theirs."""
 
     def __init__(self, state: SequenceState, refuse: dict | None = None):
         super().__init__()
@@ -515,6 +527,8 @@ class SequenceForwardHook(ModelHook):
         if self.state.check is not None:
             self.state.check()
         self.state.seq_len, self.state.seq_source, self.state.inputs_split = None, (), False
+        # Copies of the containers (the splits after this hook replace entries of ``kwargs``).
+        self.state.call = (tuple(args), dict(kwargs))
         for name, why in self.refuse.items():
             i = self._params.index(name) if name in self._params else len(args)
             value = kwargs.get(name, args[i] if i < len(args) else None)
@@ -525,6 +539,10 @@ class SequenceForwardHook(ModelHook):
                     f"not split, so sequence parallelism cannot run this call exactly; call it without "
                     f"{name!r}, or disable sequence parallelism for it.")
         return args, kwargs
+
+    def post_forward(self, module, output):
+        self.state.call = None  # the inputs are not kept alive past the forward
+        return output
 
 
 class SequenceGatherHook(ModelHook):
@@ -619,29 +637,101 @@ class GridWindowHook(ModelHook):
         return output.flatten(2).narrow(2, offset, count).unsqueeze(-1)
 
 
-def _submodules(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
+def _submodules(model: torch.nn.Module, name: str) -> list[tuple[str, torch.nn.Module]]:
+    """``(qualified name, module)`` of the submodules a plan entry names (``"blocks.*"``: every child)."""
     if name == "":
-        return [model]
+        return [("", model)]
     if name.endswith(".*"):
         parent = model.get_submodule(name[:-2])
-        return list(parent.children())
-    return [model.get_submodule(name)]
+        return [(f"{name[:-2]}.{child}", module) for child, module in parent.named_children()]
+    return [(name, model.get_submodule(name))]
+
+
+@dataclass
+class AttachedHook:
+    """One of our hooks on one module (see :func:`attach`).
+
+    Attributes:
+        path: The module's qualified name in the model (``""``: the model itself), to find the
+            module again after something replaced it (:func:`retarget`).
+        module: The module the hook is on.
+        hook: The hook (``pre_forward`` / ``post_forward`` as Diffusers' ``ModelHook``).
+        handles: torch's ``RemovableHandle`` of each registration.
+    """
+
+    path: str
+    module: torch.nn.Module
+    hook: ModelHook
+    handles: list = field(default_factory=list)
+
+
+def attach(path: str, module: torch.nn.Module, hook: ModelHook) -> AttachedHook:
+    """Runs ``hook`` around every call of ``module`` as torch module hooks (see the module docstring).
+
+    ``hook.pre_forward(module, *args, **kwargs) -> (args, kwargs)`` becomes a forward pre-hook with
+    kwargs, registered first in line (``prepend=True``): of several hooks attached to one module, the
+    last attached runs first, as with Diffusers' ``HookRegistry``. ``hook.post_forward(module, output)``
+    becomes a forward hook, appended: the last attached runs last. A method the hook does not
+    override is not registered.
+    """
+    hook.initialize_hook(module)
+    attached = AttachedHook(path, module, hook)
+    cls = type(hook)
+    if cls.pre_forward is not ModelHook.pre_forward:
+        def pre(mod, args, kwargs):
+            new_args, new_kwargs = hook.pre_forward(mod, *args, **kwargs)
+            return tuple(new_args), new_kwargs
+
+        attached.handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+    if cls.post_forward is not ModelHook.post_forward:
+        attached.handles.append(module.register_forward_hook(lambda mod, args, output: hook.post_forward(mod, output)))
+    return attached
+
+
+def detach(attached: AttachedHook) -> None:
+    """Removes the torch hooks of :func:`attach` (a no-op the second time)."""
+    for handle in attached.handles:
+        handle.remove()
+    attached.handles.clear()
+
+
+def retarget(model: torch.nn.Module, installed: list[AttachedHook]) -> bool:
+    """Moves each hook whose ``path`` no longer names its module to the module now there.
+
+    PEFT's ``load_lora_weights`` replaces a targeted ``nn.Linear`` (``proj_out`` may be one) by a LoRA
+    layer that calls the old module as its ``base_layer`` and adds its own term afterwards; a gather
+    left on the old module would gather before the LoRA term is added to this rank's rows, and
+    ``unload_lora_weights`` puts the old module back. Returns whether anything moved. The hooks keep
+    their order on the module they move to (pre-hooks are re-attached in the order they were first
+    attached).
+    """
+    moved = False
+    for i, item in enumerate(installed):
+        try:
+            now = model.get_submodule(item.path) if item.path else model
+        except AttributeError:
+            continue  # the module is gone: its hook can no longer run either
+        if now is not item.module:
+            detach(item)
+            installed[i] = attach(item.path, now, item.hook)
+            moved = True
+    return moved
 
 
 def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState,
-               refuse: dict | None = None, hooks: dict | None = None) -> list[tuple[torch.nn.Module, str]]:
-    """Registers split/gather hooks for ``plan`` on ``model``'s submodules, then the family's own
-    ``hooks``, and a :class:`SequenceForwardHook` on ``model`` (outermost of these, so it runs first)
+               refuse: dict | None = None, hooks: dict | None = None) -> list[AttachedHook]:
+    """Attaches split/gather hooks for ``plan`` to ``model``'s submodules (see :func:`attach`), then the
+    family's own ``hooks``, and a :class:`SequenceForwardHook` to ``model`` (last, so it runs first)
     that refuses the forward arguments named in ``refuse`` (``{name: why}``).
 
     Args:
         hooks: ``{submodule name (``"layers.*"`` for every child): () -> ModelHook}``: rewrites that a
-            plan cannot express (:attr:`diffusers_sp.pipelines.FamilySpec.forward_hooks`). Registered
+            plan cannot express (:attr:`diffusers_sp.pipelines.FamilySpec.forward_hooks`). Attached
             after the plan's hooks on the same module, so their ``pre_forward`` runs before the plan's
             splits and their ``post_forward`` after the plan's splits and gathers.
 
     Returns:
-        ``(module, hook name)`` pairs, for :func:`remove_hooks`.
+        The :class:`AttachedHook` list, for :func:`remove_hooks`.
 
     Raises:
         SequenceParallelConfigError: a plan entry or hook names a submodule the model does not have.
@@ -650,20 +740,17 @@ def apply_plan(model: torch.nn.Module, plan: dict, state: SequenceState,
     try:
         _register_plan(model, plan, state, installed)
         for name, make in (hooks or {}).items():
-            hook_name = f"{HOOK_PREFIX}_family:{name}"
-            for module in _submodules_of(model, name, "a family hook"):
-                HookRegistry.check_if_exists_or_initialize(module).register_hook(make(), hook_name)
-                installed.append((module, hook_name))
-        hook_name = f"{HOOK_PREFIX}_forward"
-        HookRegistry.check_if_exists_or_initialize(model).register_hook(SequenceForwardHook(state, refuse), hook_name)
-        installed.append((model, hook_name))
+            for path, module in _submodules_of(model, name, "a family hook"):
+                installed.append(attach(path, module, make()))
+        installed.append(attach("", model, SequenceForwardHook(state, refuse)))
     except BaseException:
         remove_hooks(installed)  # none of the plan stays half-registered
         raise
     return installed
 
 
-def _submodules_of(model, name: str, what: str) -> list[torch.nn.Module]:
+def _submodules_of(model, name: str, what: str) -> list[tuple[str, torch.nn.Module]]:
+    """:func:`_submodules`, or a SequenceParallelConfigError naming ``what`` names a missing submodule."""
     try:
         return _submodules(model, name)
     except AttributeError as exc:
@@ -675,23 +762,17 @@ def _register_plan(model, plan, state, installed: list) -> None:
     for name, entry in plan.items():
         modules = _submodules_of(model, name, "sharding plan")
         if isinstance(entry, dict):
-            hook_name = f"{HOOK_PREFIX}_split:{name}"
             make = lambda: SequenceSplitHook(entry, state)  # noqa: E731
         elif isinstance(entry, GridWindow):
-            hook_name = f"{HOOK_PREFIX}_grid:{name}"
             make = lambda: GridWindowHook(entry, state)  # noqa: E731
         else:
             specs = [entry] if isinstance(entry, (ContextParallelOutput, JointSequence)) else list(entry)
-            hook_name = f"{HOOK_PREFIX}_gather:{name}"
             make = lambda: SequenceGatherHook(specs, state)  # noqa: E731
-        for module in modules:
-            HookRegistry.check_if_exists_or_initialize(module).register_hook(make(), hook_name)
-            installed.append((module, hook_name))
+        for path, module in modules:
+            installed.append(attach(path, module, make()))
 
 
-def remove_hooks(installed: list[tuple[torch.nn.Module, str]]) -> None:
-    """Removes hooks registered by :func:`apply_plan` (and restores each module's forward)."""
-    for module, hook_name in reversed(installed):
-        registry = getattr(module, "_diffusers_hook", None)
-        if registry is not None:
-            registry.remove_hook(hook_name, recurse=False)
+def remove_hooks(installed: list[AttachedHook]) -> None:
+    """Removes hooks attached by :func:`apply_plan` (or :func:`attach`), last attached first."""
+    for attached in reversed(installed):
+        detach(attached)

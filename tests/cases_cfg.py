@@ -284,6 +284,120 @@ def case_group_usable_after():
     return x.item()
 
 
+# ------------------------------------------------ caches with CFG parallelism and replicas (issue 20)
+# First Block Cache decides from a statistic over the tokens; with CFG parallelism it must be taken
+# over the ranks that compute one call of one process: the SP group of a CFG group (two calls per
+# step: each group keeps the cache state of its own pass, "cond" or "uncond"), or the whole replica
+# (CFG folded into a batch that the two groups split). Thresholds as in tests/cases_combine.py: far
+# from every ratio the tiny models produce, and skipping some calls but not all.
+
+CACHE_STEPS = 6
+
+
+def _tail_calls(model):
+    """Counts the calls in which the last block computed (First Block Cache skips it)."""
+    blocks = model.blocks if hasattr(model, "blocks") else (
+        model.single_transformer_blocks if hasattr(model, "single_transformer_blocks") else model.transformer_blocks)
+    calls = []
+    return calls, next(iter(blocks[-1].children())).register_forward_hook(lambda *a: calls.append(1))
+
+
+def _cached_run(pipe, call, **enable):
+    """Latents and computed tail calls of one call, one process (no ``enable``) or enabled."""
+    handle = enable_sequence_parallel(pipe, mode="kv_gather", **enable) if enable else None
+    calls, hook = _tail_calls(pipe.transformer)
+    try:
+        out = pipe(**call, generator=torch.Generator().manual_seed(0))
+        latents = torch.as_tensor(out.frames if hasattr(out, "frames") else out.images)
+        stats = [dict(h.stats) for h in handle._cfg_hooks] if handle is not None else []
+        layout = dict(cfg_rank=handle.cfg_rank, replica_index=handle.replica_index) if handle is not None else {}
+    finally:
+        hook.remove()
+        if handle is not None:
+            handle.disable()
+    return latents, len(calls), stats, layout
+
+
+def _cache_case(pipe, call, threshold: float, **enable) -> dict:
+    from diffusers import FirstBlockCacheConfig
+
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    try:
+        ref, ref_calls, _, _ = _cached_run(pipe, call)
+        out, calls, stats, layout = _cached_run(pipe, call, **enable)
+    finally:
+        pipe.transformer.disable_cache()
+    return {"cmp": compare(ref, out), "ref_calls": ref_calls, "calls": calls, "stats": stats, "layout": layout}
+
+
+def case_cache_cfg_wan():
+    """Wan: two calls per step, the unconditional one computed by CFG group 1 during the first."""
+    call = dict(CALL, prompt=PROMPTS[0], negative_prompt="rain", guidance_scale=5.0, num_inference_steps=CACHE_STEPS)
+    return _cache_case(_pipe("t2v"), call, 0.12, cfg_parallel=True)
+
+
+def case_cache_cfg_flux_true_cfg():
+    """Flux with true CFG: step 0 runs both calls on both groups, later steps one each (learned from
+    step 0), so CFG group 1's unconditional passes must land in the "uncond" cache state."""
+    from diffusers_sp.tiny_models import tiny_flux_pipeline
+
+    call = dict(prompt=PROMPTS[0], negative_prompt="rain", true_cfg_scale=2.0, height=10, width=14,
+                max_sequence_length=8, guidance_scale=3.5, num_inference_steps=CACHE_STEPS, output_type="latent")
+    return _cache_case(tiny_flux_pipeline(), call, 0.45, cfg_parallel=True)
+
+
+def case_cache_cfg_batched_cogvideox():
+    """CogVideoX: one call per step on a batch of 2 that the CFG groups split: one decision per call,
+    the statistic over both halves."""
+    from diffusers_sp.tiny_models import tiny_cogvideox_pipeline
+
+    call = dict(prompt=PROMPTS[0], negative_prompt="rain", height=80, width=112, num_frames=1, max_sequence_length=8,
+                guidance_scale=6.0, num_inference_steps=CACHE_STEPS, output_type="latent")
+    return _cache_case(tiny_cogvideox_pipeline(), call, 0.1, cfg_parallel=True)
+
+
+def case_cache_replicas_wan():
+    """Replicas of P/2 ranks each (sp_degree=P/2), no CFG parallelism: each replica decides alone."""
+    call = dict(CALL, prompt=PROMPTS[0], negative_prompt="rain", guidance_scale=5.0, num_inference_steps=CACHE_STEPS)
+    return _cache_case(_pipe("t2v"), call, 0.12, sp_degree=dist.get_world_size() // 2)
+
+
+def case_cache_cfg_refused():
+    """Pyramid Attention Broadcast keeps one state for both calls of a step; with two-call CFG
+    parallelism each group sees one of them: refused at enable, and at the next call when applied after."""
+    from diffusers import PyramidAttentionBroadcastConfig
+    from diffusers.hooks import apply_pyramid_attention_broadcast
+
+    from distributed import error_of
+
+    pipe = _pipe("t2v")
+    config = lambda: PyramidAttentionBroadcastConfig(  # noqa: E731
+        spatial_attention_block_skip_range=2, current_timestep_callback=lambda: pipe.current_timestep)
+    pipe.transformer.enable_cache(config())
+    try:
+        at_enable = error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather", cfg_parallel=True))
+    finally:
+        pipe.transformer.disable_cache()
+    handle = enable_sequence_parallel(pipe, mode="kv_gather", cfg_parallel=True)
+    try:
+        apply_pyramid_attention_broadcast(pipe.transformer, config())
+        at_call = error_of(lambda: _run(pipe))
+    finally:
+        handle.disable()
+        pipe.transformer._cache_config = config()
+        pipe.transformer.disable_cache()
+    # FasterCache's unconditional-branch skipping on a model whose CFG is one batch split between the groups.
+    from diffusers import FasterCacheConfig
+
+    from diffusers_sp.tiny_models import tiny_cogvideox_transformer
+
+    model = tiny_cogvideox_transformer()
+    model.enable_cache(FasterCacheConfig(current_timestep_callback=lambda: 500, tensor_format="BFCHW"))
+    faster = error_of(lambda: enable_sequence_parallel(model, mode="kv_gather", cfg_parallel=True))
+    return {"at_enable": at_enable, "at_call": at_call, "faster_batched": faster}
+
+
 _RESULTS: dict = {}
 
 

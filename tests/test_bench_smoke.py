@@ -106,3 +106,29 @@ def test_rows_and_accuracy(runs, ws):
     for key in ("date_utc", "device", "torch", "diffusers", "command", "git_commit"):
         assert key in meta
     assert "| mode |" in log and "## Results" in log
+
+
+def test_cache_benchmark_smoke(tmp_path):
+    """benchmarks/bench_cache.py --device cpu --quick at world size 2: every row, the automatic threshold
+    skipping some steps but not all, and diffusers-sp's cached call equal to the stock cached call."""
+    out = tmp_path / "cache.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "benchmarks" / "bench_cache.py"), "--device", "cpu", "--quick", "--steps", "6",
+           "--repeats", "1", "--warmup", "0", "--modes", "kv_gather", "--collective-repeats", "5",
+           "--timeout", "120", "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}"
+    data = json.loads(out.read_text())
+    assert data["meta"]["world_size"] == 2 and data["meta"]["date_utc"]
+    rows = {r["label"]: r for r in data["rows"]}
+    assert set(rows) == {"stock, no cache", "stock, first block cache", "ours kv_gather, no cache",
+                         "ours kv_gather, first block cache", "decision collective (one per step)"}
+    for r in rows.values():
+        assert r["ms"] is not None and math.isfinite(r["ms"]) and r["ms"] > 0, r
+    assert rows["stock, no cache"]["steps_computed"] == 6
+    cached = rows["stock, first block cache"]["steps_computed"]
+    assert 0 < cached < 6 and rows["ours kv_gather, first block cache"]["steps_computed"] == cached, rows
+    for label in ("ours kv_gather, no cache", "ours kv_gather, first block cache"):
+        assert rows[label]["rel_err"] <= TOL, rows[label]

@@ -14,6 +14,15 @@ every rank) and this rank's ``S_r`` image tokens, text first (``"prefix"``) or l
 as the family declares (``SequenceState.extra["joint_text"]``). ``T`` is read from each call as
 ``L - S_r`` (so Mochi's per-sample calls with a different number of valid text tokens work).
 
+IP-Adapter processors (Diffusers' ``FluxIPAdapterAttnProcessor``, ``SD3IPAdapterJointAttnProcessor2_0``,
+``FluxIPAdapterJointAttnProcessor2_0``: any processor class named ``*IPAdapter*``) make one attention
+call more per image prompt after the self-attention: from this rank's image queries to the image-prompt
+tokens, which every rank holds whole (cross-attention over replicated keys: each query row needs no
+other rank's data). Its operands cannot be told from a self-attention call in general (a rank's shard
+may be as long as the image prompt), so the wrapper counts instead: for such a processor only the first
+attention call of each invocation (the self-attention, which these processors make first) runs in
+parallel; the later ones run locally as the model wrote them, with no communication.
+
 Masks (boolean True = attend, or additive float, exactly as SDPA applies them). Two kinds are told
 apart by their key length, which differs at every world size above 1 (``T + S_r < T + S``):
 
@@ -457,6 +466,10 @@ class SequenceParallelAttnProcessor:
         self.transport = transport
         self.head_groups = head_groups
         self.kv_first = kv_first if self.supports_kv_first else None
+        # IP-Adapter processors: only their first attention call per invocation is the self-attention
+        # (module docstring); None: every intercepted call is.
+        self.parallel_calls = 1 if "IPAdapter" in type(inner).__name__ else None
+        self._calls_left = None
         self._dispatch_call = None
         if dispatch:
             call = type(inner).__call__
@@ -487,13 +500,14 @@ class SequenceParallelAttnProcessor:
         return self._run_parallel(attn, *args, **kwargs)
 
     def _run_parallel(self, attn, *args, **kwargs):
+        self._calls_left = self.parallel_calls
         if self.kv_first is not None:
             out = self.kv_first(self.inner, attn, args, kwargs, self._start_kv, self._finish_kv)
             if out is not NotImplemented:
                 return out
         if self._dispatch_call is not None:
             return self._dispatch_call(self.inner, attn, *args, **kwargs)
-        with _AttentionCallIntercept(self._attend):
+        with _AttentionCallIntercept(self._intercepted):
             return self.inner(attn, *args, **kwargs)
 
     def _dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -507,7 +521,7 @@ class SequenceParallelAttnProcessor:
         call is the one a single process makes. Diffusers hands its context-parallel config to every
         attention processor of the model, whether or not its tokens are split, e.g. to the text refiner
         that MiniMax-H3 runs before its plan splits the packed sequence at the first block."""
-        if parallel_config is not PARALLEL_CALL or not self.state.inputs_split:
+        if parallel_config is not PARALLEL_CALL or not self.state.inputs_split or not self._take_call():
             return self._dispatch_original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                            attention_kwargs=attention_kwargs, backend=backend, parallel_config=None)
@@ -561,6 +575,26 @@ class SequenceParallelAttnProcessor:
                 f"{type(self.inner).__name__}: queries {tuple(query.shape)} {query.dtype} do not match the "
                 f"keys {shape} {dtype}.")
         return self.finish_attention(pending, query, scale=scale)
+
+    def _take_call(self) -> bool:
+        """Whether this attention call is the one to run in parallel (see ``parallel_calls``)."""
+        if self._calls_left is None:
+            return True
+        if self._calls_left == 0:
+            return False
+        self._calls_left -= 1
+        return True
+
+    def _intercepted(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False):
+        """An ``F.scaled_dot_product_attention`` call caught inside the wrapped processor: the
+        self-attention through the strategy, an IP-Adapter processor's later calls as they are (the
+        interception mode is off inside its handler, so this is the plain function)."""
+        if not self._take_call():
+            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+        return self._attend(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
 
     def _check_call(self, name: str, query, key, dropout_p, is_causal, enable_gqa) -> None:
         """Raises SequenceParallelConfigError for what no strategy splits: causal attention, dropout,
