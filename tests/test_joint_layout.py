@@ -290,3 +290,10 @@ def test_sequence_length_then_a_joint_sequence():
         hook._split_value([[(1, 3, 4)]], length, "img_shapes")
     with pytest.raises(SequenceParallelConfigError, match="cannot split a sequence of 2 tokens over 3 ranks"):
         SequenceSplitHook({}, SequenceState(SPGroup(None, 0, 3, "gloo")))._split_value([[(1, 1, 2)]], length, "s")
+def test_framepack_needs_two_blocks_and_the_history_embedding():
+    import families
+
+    model, _ = families.forward_cases()["hunyuan_video_framepack_history_ragged_prompts"]()
+    model.single_transformer_blocks = model.single_transformer_blocks[:0]
+    with pytest.raises(SequenceParallelConfigError, match="at least 2 blocks"):
+        enable_sequence_parallel(model, mode="kv_gather")
