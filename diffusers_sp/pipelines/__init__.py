@@ -166,6 +166,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .chroma import CHROMA
     from .cogvideox import COGVIDEOX
     from .cogview4 import COGVIEW4
+    from .cosmos import COSMOS
     from .flux import FLUX
     from .flux2 import FLUX2
     from .helios import HELIOS
@@ -190,7 +191,7 @@ def _registry() -> tuple[FamilySpec, ...]:
 
     return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
             HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21,
-            HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK)
+            HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
