@@ -297,3 +297,13 @@ def test_framepack_needs_two_blocks_and_the_history_embedding():
     model.single_transformer_blocks = model.single_transformer_blocks[:0]
     with pytest.raises(SequenceParallelConfigError, match="at least 2 blocks"):
         enable_sequence_parallel(model, mode="kv_gather")
+
+
+def test_heads_of_attention_modules_without_heads_or_to_q():
+    """Kandinsky5Attention names its heads num_heads and its query projection to_query."""
+    from diffusers.models.transformers.transformer_kandinsky import Kandinsky5Attention
+
+    from diffusers_sp.pipelines import _head_dim, _heads
+
+    attn = Kandinsky5Attention(48, 16)
+    assert (_heads(attn), _head_dim(attn)) == (3, 16)

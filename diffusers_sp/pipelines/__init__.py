@@ -123,7 +123,7 @@ class FamilySpec:
             raise SequenceParallelConfigError(
                 f"{type(model).__name__}: no self-attention module to split was found (family {self.name!r}).")
         cfg = model.config
-        heads = getattr(cfg, "num_attention_heads", None) or getattr(modules[0][1], "heads", None)
+        heads = getattr(cfg, "num_attention_heads", None) or _heads(modules[0][1])
         head_dim = getattr(cfg, "attention_head_dim", None) or _head_dim(modules[0][1])
         return ModelTraits(
             name=type(model).__name__, attribute=attribute, num_heads=int(heads), head_dim=int(head_dim),
@@ -131,11 +131,18 @@ class FamilySpec:
             text_mask=self.text_mask, num_attention_layers=len(modules))
 
 
+def _heads(module) -> int | None:
+    """Heads of a Diffusers attention module: ``heads`` (``Attention`` and most others) or ``num_heads``
+    (``Kandinsky5Attention``)."""
+    return getattr(module, "heads", None) or getattr(module, "num_heads", None)
+
+
 def _head_dim(module) -> int:
-    """Head dimension of a Diffusers attention module: query width over heads."""
-    to_q = getattr(module, "to_q", None) or getattr(module, "to_qkv", None)
+    """Head dimension of a Diffusers attention module: query width over heads (the query projection is
+    ``to_q``, ``to_query`` in ``Kandinsky5Attention``, or the fused ``to_qkv``)."""
+    to_q = getattr(module, "to_q", None) or getattr(module, "to_query", None) or getattr(module, "to_qkv", None)
     width = to_q.out_features // (3 if to_q is getattr(module, "to_qkv", None) else 1)
-    return width // int(module.heads)
+    return width // int(_heads(module))
 
 
 def plan_without(plan: dict, drop: dict) -> dict:
