@@ -182,6 +182,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .hunyuan_video import HUNYUAN_VIDEO
     from .hunyuan_video15 import HUNYUAN_VIDEO15
     from .hunyuan_video_framepack import HUNYUAN_VIDEO_FRAMEPACK
+    from .kandinsky5 import KANDINSKY5
     from .ltx import LTX
     from .ltx2 import LTX2
     from .lumina2 import LUMINA2
@@ -198,7 +199,7 @@ def _registry() -> tuple[FamilySpec, ...]:
 
     return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
             HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21,
-            HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS)
+            HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
