@@ -307,3 +307,20 @@ def test_heads_of_attention_modules_without_heads_or_to_q():
 
     attn = Kandinsky5Attention(48, 16)
     assert (_heads(attn), _head_dim(attn)) == (3, 16)
+
+
+def test_split_unless_broadcast():
+    """Sana-Video's modulation: [B, S, C] split like the tokens, [B, 1, C] (one row per sample) whole."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import SPGroup
+    from diffusers_sp.sharding import SequenceSplitHook, SequenceState, SplitUnlessBroadcast
+
+    spec = SplitUnlessBroadcast(ContextParallelInput(split_dim=1, expected_dims=3, split_output=False))
+    hook = SequenceSplitHook({}, SequenceState(SPGroup(None, 2, 3, "gloo"), seq_len=11))  # shards 4, 4, 3
+    per_token = torch.arange(2 * 11 * 5.0).reshape(2, 11, 5)
+    assert torch.equal(hook._split_value(per_token, spec, "t"), per_token[:, 8:])
+    per_sample = torch.ones(2, 1, 5)
+    assert hook._split_value(per_sample, spec, "t") is per_sample
+    with pytest.raises(SequenceParallelConfigError, match="inputs disagree"):
+        hook._split_value(torch.ones(2, 10, 5), spec, "t")

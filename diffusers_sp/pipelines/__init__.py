@@ -57,6 +57,8 @@ class FamilySpec:
             K and V before Q, so that the K/V transfer of either dense mode overlaps the query's work
             (``overlap_query_projection``; see
             :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`, ``kv_first``).
+        vsa_refusal: Why ``mode="vsa"`` cannot run on the family although its self-attention holds
+            video tokens only and its latent grid could be read (``""``: no such reason).
         unsupported_inputs: ``{forward argument: what it is}``: arguments the family's plan does not
             split; a forward passing one that is not ``None`` raises SequenceParallelConfigError on
             every rank, before any collective.
@@ -100,6 +102,7 @@ class FamilySpec:
     modes: tuple[str, ...] = ("ulysses", "kv_gather")
     latent_grid: Callable | None = None
     self_attention_kv_first: Callable | None = None
+    vsa_refusal: str = ""
     unsupported_inputs: dict = field(default_factory=dict)
     forward_hooks: Callable | None = None
     attention_call: str = "sdpa"
