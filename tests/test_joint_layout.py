@@ -324,3 +324,38 @@ def test_split_unless_broadcast():
     assert hook._split_value(per_sample, spec, "t") is per_sample
     with pytest.raises(SequenceParallelConfigError, match="inputs disagree"):
         hook._split_value(torch.ones(2, 10, 5), spec, "t")
+
+
+def test_sana_video_linear_attention_at_one_rank_is_the_processor():
+    """At one rank (the sums over ranks are the rank's own) the family's linear attention is Diffusers'
+    SanaLinearAttnProcessor3_0 bit for bit: the same operations in the same order."""
+    import families
+
+    from diffusers_sp.pipelines.sana_video import sana_video_linear_attention
+
+    model, kwargs = families.forward_cases()["sana_video_per_sample_timestep"]()
+    attn = model.transformer_blocks[0].attn1
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 35, 48, generator=g)
+    rotary = model.rope(kwargs["hidden_states"])
+    with torch.no_grad():
+        ref = attn.processor(attn, hidden, rotary_emb=rotary)
+        out = sana_video_linear_attention(attn.processor, attn, (hidden,), {"rotary_emb": rotary}, lambda x: x)
+        with pytest.raises(SequenceParallelConfigError, match="linear attention"):
+            sana_video_linear_attention(attn.processor, attn, (hidden, hidden), {"rotary_emb": rotary}, lambda x: x)
+    assert torch.equal(out, ref)
+
+
+def test_vsa_refusals_name_the_reason():
+    """Joint text (HunyuanVideo 1.5, Framepack) and linear attention (Sana-Video) refuse mode 'vsa' with
+    their reason; the dense modes are named."""
+    import families
+
+    reasons = {"hunyuan_video15_t2v_ragged_prompts": "text tokens inside self-attention",
+               "hunyuan_video_framepack_history_ragged_prompts": "text tokens inside self-attention",
+               "sana_video_per_sample_timestep": "linear attention"}
+    for case, reason in reasons.items():
+        model, _ = families.forward_cases()[case]()
+        with pytest.raises(SequenceParallelConfigError, match=reason) as err:
+            enable_sequence_parallel(model, mode="vsa")
+        assert "'kv_gather'" in str(err.value)

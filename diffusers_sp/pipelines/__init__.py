@@ -193,6 +193,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .qwenimage import QWENIMAGE
     from .qwenimage21 import QWENIMAGE21
     from .sana import SANA
+    from .sana_video import SANA_VIDEO
     from .sd3 import SD3
     from .skyreels_v2 import SKYREELS_V2
     from .wan import WAN
@@ -202,7 +203,7 @@ def _registry() -> tuple[FamilySpec, ...]:
 
     return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
             HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21,
-            HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5)
+            HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
