@@ -537,7 +537,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     if resolved == "vsa":
         sparsity, tile, sp_mode = validate_vsa(
             traits, layout.sp_degree, sparsity=opts["vsa_sparsity"], tile_size=opts["vsa_tile_size"],
-            sp_mode=opts["vsa_sp_mode"], has_latent_grid=family.latent_grid is not None)
+            sp_mode=opts["vsa_sp_mode"], has_latent_grid=family.latent_grid is not None,
+            family_refusal=family.vsa_refusal)
         paths = _gate_paths(opts["vsa_gate_weights"], traits)
         # Every rank reads the files before any collective. A file that only some ranks can read (a
         # path missing on one host) must not fail on those alone: the outcome is compared over the

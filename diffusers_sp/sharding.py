@@ -11,7 +11,8 @@ from where the model ships one): a dict from submodule name (``""`` for the mode
 * a ``ContextParallelOutput(gather_dim, expected_dims)`` (or a list of them): gather the output.
 
 Besides Diffusers' specs, an entry may be a :class:`SplitEach` (a list, tuple or dict of tensors), a
-:class:`SplitByDims` (several accepted layouts), a :class:`JointSequence` (text joined to the
+:class:`SplitByDims` (several accepted layouts), a :class:`SplitUnlessBroadcast` (one entry per token,
+or one that broadcasts over them), a :class:`JointSequence` (text joined to the
 sequence inside the model's forward: only the sequence part is split or gathered), a
 :class:`PrefixCount` / :class:`TailCount` (an int counting leading / last tokens), a
 :class:`SequenceLength` (an argument giving the split sequence's length) or a :class:`GridSide` (an
@@ -101,6 +102,16 @@ class SplitEach:
     tensors, each split by ``spec`` (a ``ContextParallelInput``), e.g. ControlNet residuals: one
     ``[B, S, C]`` tensor per block, added to the image tokens (a dict ``{block index: tensor}`` in
     Z-Image's ``controlnet_block_samples``)."""
+
+    spec: object
+
+
+@dataclass(frozen=True)
+class SplitUnlessBroadcast:
+    """A plan entry for a tensor that holds one entry per token along ``spec.split_dim`` (split by
+    ``spec``, a ``ContextParallelInput``), or a single entry there that broadcasts over every token,
+    which passes whole: Sana Video's modulation ``[B, 1, 6C]`` for a timestep per sample, ``[B, S, 6C]``
+    for one per token (its image-to-video pipeline), both handed to every block."""
 
     spec: object
 
@@ -408,6 +419,12 @@ class SequenceSplitHook(ModelHook):
         if isinstance(spec, SplitByDims):
             chosen = next((o for o in spec.options if torch.is_tensor(value) and value.ndim == o.expected_dims), None)
             return value if chosen is None else self._split(value, chosen, what)
+        if isinstance(spec, SplitUnlessBroadcast):
+            inner = spec.spec
+            if (torch.is_tensor(value) and value.ndim == inner.expected_dims and value.shape[inner.split_dim] == 1
+                    and (self.state.seq_len is None or self.state.seq_len > 1)):
+                return value  # one entry for every token
+            return self._split(value, inner, what)
         if isinstance(spec, (list, tuple)):
             if not isinstance(value, (list, tuple)):  # e.g. an optional RoPE tuple passed as None
                 return value

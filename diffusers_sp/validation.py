@@ -97,7 +97,7 @@ def validate_mode(mode: str, traits: "PipelineTraits", world_size: int) -> str:
 
 
 def validate_vsa(traits: "PipelineTraits", world_size: int, *, sparsity, tile_size, sp_mode: str,
-                 has_latent_grid: bool) -> tuple[float, tuple[int, int, int], str]:
+                 has_latent_grid: bool, family_refusal: str = "") -> tuple[float, tuple[int, int, int], str]:
     """Validates the options of ``mode="vsa"`` and resolves its communication mode.
 
     Args:
@@ -107,14 +107,15 @@ def validate_vsa(traits: "PipelineTraits", world_size: int, *, sparsity, tile_si
         tile_size: ``vsa_tile_size``, three positive ints (frames, height, width in latent patches).
         sp_mode: ``vsa_sp_mode``: ``"auto"``, ``"ulysses"`` or ``"kv_gather"``.
         has_latent_grid: Whether the family can read the latent grid of a forward call.
+        family_refusal: The family's own reason why VSA cannot run on it (``""``: none).
 
     Returns:
         ``(sparsity, tile_size, resolved sp_mode)``.
 
     Raises:
-        SequenceParallelConfigError: an image pipeline; a family whose latent grid cannot be read;
-            text tokens inside self-attention (joint attention); a bad sparsity, tile size or
-            ``vsa_sp_mode``; Ulysses underneath with fewer heads than ranks.
+        SequenceParallelConfigError: an image pipeline; a family whose latent grid cannot be read or
+            that gives a reason of its own; text tokens inside self-attention (joint attention); a bad
+            sparsity, tile size or ``vsa_sp_mode``; Ulysses underneath with fewer heads than ranks.
     """
     dense = "Modes that would work: 'ulysses', 'kv_gather', 'auto' (dense attention)."
     if not traits.is_video:
@@ -126,6 +127,8 @@ def validate_vsa(traits: "PipelineTraits", world_size: int, *, sparsity, tile_si
         raise SequenceParallelConfigError(
             f"{traits.name}: mode 'vsa' is not supported with text tokens inside self-attention (joint "
             f"attention in {joint[0]}); VSA tiles only video tokens. {dense}")
+    if family_refusal:
+        raise SequenceParallelConfigError(f"{traits.name}: mode 'vsa' cannot run: {family_refusal}. {dense}")
     if not has_latent_grid:
         from .pipelines import FAMILIES  # here: the registry imports this module
 

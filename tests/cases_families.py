@@ -540,9 +540,12 @@ def _pipe(name: str):
 
 
 def _first_tensor(out):
-    """The latents of a pipeline output (``frames``, ``images`` or the first tensor it holds)."""
+    """The latents of a pipeline output (``frames``, ``images`` or the first tensor it holds); a list of
+    tensors of different shapes (HunyuanVideo Framepack's latents: one per section) flattened and joined."""
     for key in ("frames", "images", "latents"):
         value = getattr(out, key, None)
+        if isinstance(value, (list, tuple)) and value and all(torch.is_tensor(v) for v in value):
+            return torch.cat([v.flatten() for v in value])
         if value is not None:
             return torch.as_tensor(value)
     values = out.values() if isinstance(out, dict) else out

@@ -290,3 +290,72 @@ def test_sequence_length_then_a_joint_sequence():
         hook._split_value([[(1, 3, 4)]], length, "img_shapes")
     with pytest.raises(SequenceParallelConfigError, match="cannot split a sequence of 2 tokens over 3 ranks"):
         SequenceSplitHook({}, SequenceState(SPGroup(None, 0, 3, "gloo")))._split_value([[(1, 1, 2)]], length, "s")
+def test_framepack_needs_two_blocks_and_the_history_embedding():
+    import families
+
+    model, _ = families.forward_cases()["hunyuan_video_framepack_history_ragged_prompts"]()
+    model.single_transformer_blocks = model.single_transformer_blocks[:0]
+    with pytest.raises(SequenceParallelConfigError, match="at least 2 blocks"):
+        enable_sequence_parallel(model, mode="kv_gather")
+
+
+def test_heads_of_attention_modules_without_heads_or_to_q():
+    """Kandinsky5Attention names its heads num_heads and its query projection to_query."""
+    from diffusers.models.transformers.transformer_kandinsky import Kandinsky5Attention
+
+    from diffusers_sp.pipelines import _head_dim, _heads
+
+    attn = Kandinsky5Attention(48, 16)
+    assert (_heads(attn), _head_dim(attn)) == (3, 16)
+
+
+def test_split_unless_broadcast():
+    """Sana-Video's modulation: [B, S, C] split like the tokens, [B, 1, C] (one row per sample) whole."""
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    from diffusers_sp.groups import SPGroup
+    from diffusers_sp.sharding import SequenceSplitHook, SequenceState, SplitUnlessBroadcast
+
+    spec = SplitUnlessBroadcast(ContextParallelInput(split_dim=1, expected_dims=3, split_output=False))
+    hook = SequenceSplitHook({}, SequenceState(SPGroup(None, 2, 3, "gloo"), seq_len=11))  # shards 4, 4, 3
+    per_token = torch.arange(2 * 11 * 5.0).reshape(2, 11, 5)
+    assert torch.equal(hook._split_value(per_token, spec, "t"), per_token[:, 8:])
+    per_sample = torch.ones(2, 1, 5)
+    assert hook._split_value(per_sample, spec, "t") is per_sample
+    with pytest.raises(SequenceParallelConfigError, match="inputs disagree"):
+        hook._split_value(torch.ones(2, 10, 5), spec, "t")
+
+
+def test_sana_video_linear_attention_at_one_rank_is_the_processor():
+    """At one rank (the sums over ranks are the rank's own) the family's linear attention is Diffusers'
+    SanaLinearAttnProcessor3_0 bit for bit: the same operations in the same order."""
+    import families
+
+    from diffusers_sp.pipelines.sana_video import sana_video_linear_attention
+
+    model, kwargs = families.forward_cases()["sana_video_per_sample_timestep"]()
+    attn = model.transformer_blocks[0].attn1
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 35, 48, generator=g)
+    rotary = model.rope(kwargs["hidden_states"])
+    with torch.no_grad():
+        ref = attn.processor(attn, hidden, rotary_emb=rotary)
+        out = sana_video_linear_attention(attn.processor, attn, (hidden,), {"rotary_emb": rotary}, lambda x: x)
+        with pytest.raises(SequenceParallelConfigError, match="linear attention"):
+            sana_video_linear_attention(attn.processor, attn, (hidden, hidden), {"rotary_emb": rotary}, lambda x: x)
+    assert torch.equal(out, ref)
+
+
+def test_vsa_refusals_name_the_reason():
+    """Joint text (HunyuanVideo 1.5, Framepack) and linear attention (Sana-Video) refuse mode 'vsa' with
+    their reason; the dense modes are named."""
+    import families
+
+    reasons = {"hunyuan_video15_t2v_ragged_prompts": "text tokens inside self-attention",
+               "hunyuan_video_framepack_history_ragged_prompts": "text tokens inside self-attention",
+               "sana_video_per_sample_timestep": "linear attention"}
+    for case, reason in reasons.items():
+        model, _ = families.forward_cases()[case]()
+        with pytest.raises(SequenceParallelConfigError, match=reason) as err:
+            enable_sequence_parallel(model, mode="vsa")
+        assert "'kv_gather'" in str(err.value)

@@ -57,6 +57,8 @@ class FamilySpec:
             K and V before Q, so that the K/V transfer of either dense mode overlaps the query's work
             (``overlap_query_projection``; see
             :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`, ``kv_first``).
+        vsa_refusal: Why ``mode="vsa"`` cannot run on the family although its self-attention holds
+            video tokens only and its latent grid could be read (``""``: no such reason).
         unsupported_inputs: ``{forward argument: what it is}``: arguments the family's plan does not
             split; a forward passing one that is not ``None`` raises SequenceParallelConfigError on
             every rank, before any collective.
@@ -100,6 +102,7 @@ class FamilySpec:
     modes: tuple[str, ...] = ("ulysses", "kv_gather")
     latent_grid: Callable | None = None
     self_attention_kv_first: Callable | None = None
+    vsa_refusal: str = ""
     unsupported_inputs: dict = field(default_factory=dict)
     forward_hooks: Callable | None = None
     attention_call: str = "sdpa"
@@ -123,7 +126,7 @@ class FamilySpec:
             raise SequenceParallelConfigError(
                 f"{type(model).__name__}: no self-attention module to split was found (family {self.name!r}).")
         cfg = model.config
-        heads = getattr(cfg, "num_attention_heads", None) or getattr(modules[0][1], "heads", None)
+        heads = getattr(cfg, "num_attention_heads", None) or _heads(modules[0][1])
         head_dim = getattr(cfg, "attention_head_dim", None) or _head_dim(modules[0][1])
         return ModelTraits(
             name=type(model).__name__, attribute=attribute, num_heads=int(heads), head_dim=int(head_dim),
@@ -131,11 +134,18 @@ class FamilySpec:
             text_mask=self.text_mask, num_attention_layers=len(modules))
 
 
+def _heads(module) -> int | None:
+    """Heads of a Diffusers attention module: ``heads`` (``Attention`` and most others) or ``num_heads``
+    (``Kandinsky5Attention``)."""
+    return getattr(module, "heads", None) or getattr(module, "num_heads", None)
+
+
 def _head_dim(module) -> int:
-    """Head dimension of a Diffusers attention module: query width over heads."""
-    to_q = getattr(module, "to_q", None) or getattr(module, "to_qkv", None)
+    """Head dimension of a Diffusers attention module: query width over heads (the query projection is
+    ``to_q``, ``to_query`` in ``Kandinsky5Attention``, or the fused ``to_qkv``)."""
+    to_q = getattr(module, "to_q", None) or getattr(module, "to_query", None) or getattr(module, "to_qkv", None)
     width = to_q.out_features // (3 if to_q is getattr(module, "to_qkv", None) else 1)
-    return width // int(module.heads)
+    return width // int(_heads(module))
 
 
 def plan_without(plan: dict, drop: dict) -> dict:
@@ -166,12 +176,16 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .chroma import CHROMA
     from .cogvideox import COGVIDEOX
     from .cogview4 import COGVIEW4
+    from .cosmos import COSMOS
     from .flux import FLUX
     from .flux2 import FLUX2
     from .helios import HELIOS
     from .hidream import HIDREAM
     from .hunyuan_image import HUNYUAN_IMAGE
     from .hunyuan_video import HUNYUAN_VIDEO
+    from .hunyuan_video15 import HUNYUAN_VIDEO15
+    from .hunyuan_video_framepack import HUNYUAN_VIDEO_FRAMEPACK
+    from .kandinsky5 import KANDINSKY5
     from .ltx import LTX
     from .ltx2 import LTX2
     from .lumina2 import LUMINA2
@@ -179,6 +193,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .qwenimage import QWENIMAGE
     from .qwenimage21 import QWENIMAGE21
     from .sana import SANA
+    from .sana_video import SANA_VIDEO
     from .sd3 import SD3
     from .skyreels_v2 import SKYREELS_V2
     from .wan import WAN
@@ -187,7 +202,8 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .z_image import Z_IMAGE
 
     return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
-            HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21)
+            HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21,
+            HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

@@ -200,7 +200,8 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
                 self.gate_weight = self.gate_weight.to(hidden.device, hidden.dtype)
                 self.gate_bias = self.gate_bias.to(hidden.device, hidden.dtype)
             gate = torch.nn.functional.linear(hidden, self.gate_weight, self.gate_bias)  # [B, S_r, H*D]
-            self._gate = gate.unflatten(2, (attn.heads, -1)).transpose(1, 2)  # [B, H, S_r, D]
+            heads = getattr(attn, "heads", None) or attn.num_heads  # num_heads: Kandinsky5Attention
+            self._gate = gate.unflatten(2, (heads, -1)).transpose(1, 2)  # [B, H, S_r, D]
         try:
             return super()._run(attn, *args, **kwargs)
         finally:
