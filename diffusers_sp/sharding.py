@@ -690,10 +690,17 @@ def attach(path: str, module: torch.nn.Module, hook: ModelHook) -> AttachedHook:
     last attached runs first, as with Diffusers' ``HookRegistry``. ``hook.post_forward(module, output)``
     becomes a forward hook, appended: the last attached runs last. A method the hook does not
     override is not registered.
+
+    Raises:
+        TypeError: ``hook`` overrides ``new_forward`` (which replaces the forward: no torch hook can).
     """
+    cls = type(hook)
+    if hasattr(cls, "new_forward"):
+        # A torch hook runs before and after forward, never instead of it: such a hook would be skipped.
+        raise TypeError(f"{cls.__name__} overrides new_forward, which hooks attached as torch module hooks "
+                        f"cannot run; use pre_forward / post_forward")
     hook.initialize_hook(module)
     attached = AttachedHook(path, module, hook)
-    cls = type(hook)
     if cls.pre_forward is not ModelHook.pre_forward:
         def pre(mod, args, kwargs):
             new_args, new_kwargs = hook.pre_forward(mod, *args, **kwargs)

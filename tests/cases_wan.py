@@ -195,7 +195,7 @@ def case_error_bad_process_group():
 
 def case_error_timestep_b1():
     """A timestep of shape [B, 1] (one process broadcasts it over the tokens) cannot be split over the
-    ranks; the error named only the latent (review, sixth session). It must name the argument and its
+    ranks; the error named only the latent. It must name the argument and its
     shape, on every rank, during the forward."""
     model = tiny_wan_transformer()
     g = torch.Generator().manual_seed(0)
@@ -211,7 +211,7 @@ def case_error_timestep_b1():
 
 def case_transformer_grad_mode():
     """With grad mode on (no torch.no_grad, parameters requiring grad), both dense modes give one
-    process's output; Ulysses failed with an in-place write into a view (review, seventh session).
+    process's output; Ulysses failed with an in-place write into a view.
     A backward pass through the exchanges raises instead of returning wrong gradients."""
     x, t, e = _inputs()
     model = tiny_wan_transformer()
@@ -247,20 +247,45 @@ def _timestep_error(timestep) -> str:
 
 def case_error_timestep_one_token_short():
     """A per-token timestep one entry shorter than the video tokens: rank 0 got a shape error while the
-    other ranks waited in a collective until the timeout (review, seventh session)."""
+    other ranks waited in a collective until the timeout."""
     return _timestep_error(torch.full((1, TOKENS - 1), 500.0))
 
 
 def case_error_timestep_one_per_rank():
     """A timestep ``[1, P]`` split into ``[1, 1]`` per rank, which broadcasts: each rank ran with its
-    own timestep, silently (review, seventh session). One process raises on this input."""
+    own timestep, silently. One process raises on this input."""
     return _timestep_error(torch.linspace(900.0, 100.0, dist.get_world_size()).view(1, -1))
+
+
+def case_error_attention_without_sdpa():
+    """A self-attention processor that attends without F.scaled_dot_product_attention (as a processor
+    does under a Diffusers attention backend set globally, when it passes no backend of its own) left
+    nothing for the wrapper to take over: each rank attended to its own tokens, silently. Refused at
+    the call, alike on every rank."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    class ManualAttention(WanAttnProcessor):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+            weights = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+            return attn.to_out[1](attn.to_out[0](weights @ v))
+
+    model = tiny_wan_transformer()
+    for block in model.blocks:
+        block.attn1.set_processor(ManualAttention())
+    x, t, e = _inputs()
+    handle = enable_sequence_parallel(model, mode="kv_gather")
+    try:
+        with torch.no_grad():
+            return error_of(lambda: model(hidden_states=x, timestep=t, encoder_hidden_states=e))
+    finally:
+        handle.disable()
 
 
 def case_pipeline_scheduler_noise_after_rng_drift():
     """Ranks whose global RNGs drift apart after enable (here on purpose) still agree with one process
     when the scheduler draws noise from the global RNG in its steps (a stochastic flow-matching
-    scheduler, no generator): the RNG is re-synchronised at every call (review, seventh session;
+    scheduler, no generator): the RNG is re-synchronised at every call (
     the ranks differed by up to 4.2 before)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 

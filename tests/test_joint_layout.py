@@ -359,3 +359,18 @@ def test_vsa_refusals_name_the_reason():
         with pytest.raises(SequenceParallelConfigError, match=reason) as err:
             enable_sequence_parallel(model, mode="vsa")
         assert "'kv_gather'" in str(err.value)
+
+
+def test_attach_refuses_a_hook_that_replaces_forward():
+    """A family hook overriding new_forward was skipped without a word once hooks became torch module
+    hooks (which run around forward, never instead of it): attaching one is a TypeError now."""
+    from diffusers.hooks import ModelHook
+
+    from diffusers_sp.sharding import attach
+
+    class Replaces(ModelHook):
+        def new_forward(self, module, *args, **kwargs):
+            return 0
+
+    with pytest.raises(TypeError, match="new_forward"):
+        attach("", torch.nn.Linear(2, 2), Replaces())

@@ -73,6 +73,8 @@ def test_random_draws_agree_across_ranks(results):
     ("error_timestep_one_token_short", ["inputs disagree on the sequence length", "'timestep'", "[1, 174]",
                                         "WanRotaryPosEmbed"]),
     ("error_timestep_one_per_rank", ["inputs disagree on the sequence length", "'timestep'", "WanRotaryPosEmbed"]),
+    ("error_attention_without_sdpa", ["ManualAttention made no scaled_dot_product_attention call",
+                                      "native attention backend"]),
 ])
 def test_errors_raised_identically_on_every_rank(results, case, needles):
     P, res = results

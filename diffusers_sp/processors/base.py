@@ -470,6 +470,7 @@ class SequenceParallelAttnProcessor:
         # (module docstring); None: every intercepted call is.
         self.parallel_calls = 1 if "IPAdapter" in type(inner).__name__ else None
         self._calls_left = None
+        self._seen = 0  # F.scaled_dot_product_attention calls caught in the current call (sdpa mode)
         self._dispatch_call = None
         if dispatch:
             call = type(inner).__call__
@@ -507,8 +508,21 @@ class SequenceParallelAttnProcessor:
                 return out
         if self._dispatch_call is not None:
             return self._dispatch_call(self.inner, attn, *args, **kwargs)
+        self._seen = 0
         with _AttentionCallIntercept(self._intercepted):
-            return self.inner(attn, *args, **kwargs)
+            out = self.inner(attn, *args, **kwargs)
+        if not self._seen and self.state.group.world_size > 1:
+            # The processor attended without F.scaled_dot_product_attention: through another kernel of
+            # Diffusers' attention dispatcher, chosen globally (attention_backend(...),
+            # DIFFUSERS_ATTN_BACKEND) where the processor passes no backend of its own. Each rank would
+            # then have attended to its own tokens only; every rank gets here alike.
+            raise SequenceParallelConfigError(
+                f"{type(self.inner).__name__} made no scaled_dot_product_attention call for sequence parallelism "
+                f"to take over: its attention ran through another kernel (a Diffusers attention backend set "
+                f"globally, with attention_backend(...) or DIFFUSERS_ATTN_BACKEND), so each rank would attend to "
+                f"its own tokens only. Use Diffusers' native attention backend (the default) with sequence "
+                f"parallelism; diffusers-sp's attention_kernel option chooses the local kernel.")
+        return out
 
     def _dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
@@ -590,6 +604,7 @@ class SequenceParallelAttnProcessor:
         """An ``F.scaled_dot_product_attention`` call caught inside the wrapped processor: the
         self-attention through the strategy, an IP-Adapter processor's later calls as they are (the
         interception mode is off inside its handler, so this is the plain function)."""
+        self._seen += 1
         if not self._take_call():
             return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
