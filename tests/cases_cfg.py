@@ -259,7 +259,7 @@ def case_vae_other_families():
 
 
 def case_layout_disagrees():
-    """Ranks asking for different layouts (review, sixth session: they hung in the sub-group creation
+    """Ranks asking for different layouts (they hung in the sub-group creation
     or ran unsplit): at world size 2 rank 0 passes cfg_parallel=True and rank 1 False; at 4 ranks 0-1
     pass sp_degree=2 and ranks 2-3 sp_degree=1. Every rank must raise the same error, before the
     sub-groups are built."""
@@ -273,7 +273,7 @@ def case_layout_disagrees():
         kwargs = dict(sp_degree=2 if rank < 2 else 1)
     plain = error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather", **kwargs))
     # With a transport that one side would refuse before any collective (the copy engines on gloo),
-    # that side raised alone and the other waited in the check until the timeout (second review).
+    # that side raised alone and the other waited in the check until the timeout.
     refused = error_of(lambda: enable_sequence_parallel(pipe, mode="kv_gather", sp_transport="copy_engine", **kwargs))
     return {"plain": plain, "copy_engine": refused}
 
@@ -402,7 +402,7 @@ _RESULTS: dict = {}
 
 
 def results(world_size: int) -> dict:
-    """``run_cases("cases_cfg", world_size)``, run once per world size per pytest session."""
+    """``run_cases("cases_cfg", world_size)``, run once per world size per pytest run."""
     from distributed import run_cases
 
     if world_size not in _RESULTS:

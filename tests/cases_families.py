@@ -770,7 +770,7 @@ def case_error_head_groups_disagree():
 def case_error_not_a_group_member():
     """Every rank passes a process_group of rank 0 alone (``new_group([0])``): rank 0 runs at world size
     1; the others, which torch hands ``NON_GROUP_MEMBER``, get an error saying they are not members
-    (it said "process_group must be a ProcessGroup, got int"; review, sixth session)."""
+    (it said "process_group must be a ProcessGroup, got int")."""
     import torch.distributed as dist
 
     only_rank0 = dist.new_group([0])
@@ -786,7 +786,7 @@ def case_error_not_a_group_member():
 def case_error_processor_replaced():
     """``fuse_qkv_projections()`` after enabling replaces CogVideoX's attention processors (Diffusers'
     ``set_attn_processor``), which dropped the sequence-parallel wrappers: each rank then attended to
-    its own tokens only, silently (review, sixth session). The next forward must raise on every rank;
+    its own tokens only, silently. The next forward must raise on every rank;
     fusing before enabling stays exact."""
     g = _gen()
     kwargs = dict(hidden_states=torch.randn(1, 1, 4, 10, 14, generator=g),

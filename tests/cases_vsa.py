@@ -127,7 +127,7 @@ def case_error_vsa_too_few_tiles():
 def case_vsa_plan_first_made_under_inference_mode():
     """The tile plan is cached per grid for the process; one first made under torch.inference_mode()
     held inference tensors, and every later forward of that grid with grad on raised "Inference tensors
-    cannot be saved for backward" (review, seventh session). A grid no other case uses: 3 x 10 x 14."""
+    cannot be saved for backward". A grid no other case uses: 3 x 10 x 14."""
     x, t, e = _inputs()
     kwargs = dict(hidden_states=x[:, :, :3], timestep=t, encoder_hidden_states=e)
     model = tiny_wan_transformer()
@@ -144,8 +144,7 @@ def case_vsa_plan_first_made_under_inference_mode():
 
 def case_error_gate_file_on_one_rank_only():
     """A vsa_gate_weights file that only rank 0 can read (a path on one host's disk): the other ranks
-    raised alone and rank 0 waited in the enable-time check until the timeout (review, seventh
-    session). The outcome of reading is now compared with the options, so every rank raises."""
+    raised alone and rank 0 waited in the enable-time check until the timeout. The outcome of reading is now compared with the options, so every rank raises."""
     import os
     import tempfile
 

@@ -86,7 +86,7 @@ def test_auto_rule_records_measurement():
 
 @pytest.mark.parametrize("kwargs,world,needles", [
     (dict(cfg_parallel=True), 3, ["even number of ranks", "2 or 4"]),
-    (dict(cfg_parallel=True), 1, ["got 1. Launch 2 ranks"]),  # said "Launch 2 or 2 ranks" (review, sixth session)
+    (dict(cfg_parallel=True), 1, ["got 1. Launch 2 ranks"]),  # said "Launch 2 or 2 ranks"
     (dict(cfg_parallel=True, sp_degree=3), 4, ["sp_degree values that work here: [1, 2]"]),
     (dict(sp_degree=3), 4, ["[1, 2, 4]"]),
     (dict(sp_degree=0), 4, ["positive int"]),

@@ -116,7 +116,7 @@ def case_explain_distributed():
                     report = _explain(model, inputs)
                 r.update(graphs=report.graph_count, breaks=report.graph_break_count, reasons=_describe(report))
                 if mode == "kv_gather":
-                    # Grad mode on (second review, seventh session: the inference-only guard, a
+                    # Grad mode on (the inference-only guard, a
                     # Function whose backward raises, broke the graph at every layer).
                     report = _explain(model, inputs)
                     r.update(grad_breaks=report.graph_break_count, grad_reasons=_describe(report))

@@ -108,7 +108,7 @@ def test_transport_options_checked(options, match):
 
 
 @pytest.mark.parametrize("options,match", [
-    # Review, sixth session: "no" turned the parallel VAE on; 123 raised a bare TypeError.
+    # "no" turned the parallel VAE on; 123 raised a bare TypeError.
     (dict(mode="kv_gather", parallel_vae="no"), "parallel_vae must be True or False, got 'no'"),
     (dict(mode="vsa", vsa_gate_weights=123), "vsa_gate_weights must be a path .* got int"),
 ])
@@ -118,7 +118,7 @@ def test_option_types_checked(options, match):
 
 
 def test_fingerprint_covers_the_patch_size():
-    """Ranks whose models differ only in patch size must not pass the cross-rank check (review)."""
+    """Ranks whose models differ only in patch size must not pass the cross-rank check."""
     from diffusers_sp.api import read_traits
 
     a = read_traits(tiny_wan_transformer())
@@ -189,7 +189,7 @@ def test_example_refuses_video_without_its_writer(monkeypatch):
 
 def test_one_rank_keeps_autograd():
     """At world size 1 nothing is exchanged, so gradients flow as without diffusers-sp (the grad-mode
-    guard raised there too; second review, seventh session)."""
+    guard raised there too)."""
     model = tiny_wan_transformer(num_layers=1)
     kwargs = _kwargs()
     model(**kwargs).sample.sum().backward()
@@ -203,7 +203,7 @@ def test_one_rank_keeps_autograd():
 
 def test_failed_enable_leaves_nothing_behind(monkeypatch):
     """An error while installing left processors and hooks in place and the handle on the transformer
-    only, so neither disable nor a new enable worked (review, seventh session)."""
+    only, so neither disable nor a new enable worked."""
     from diffusers_sp import api, disable_sequence_parallel
     from diffusers_sp.tiny_models import tiny_wan_pipeline
 
@@ -224,7 +224,7 @@ def test_failed_enable_leaves_nothing_behind(monkeypatch):
 
 def test_one_transformer_under_two_names_is_wrapped_once():
     """A Wan 2.2 pipeline whose transformer_2 is its transformer got a raw "hook already exists" error,
-    half-enabled (review, seventh session)."""
+    half-enabled."""
     from diffusers_sp.tiny_models import tiny_wan_pipeline
 
     pipe = tiny_wan_pipeline("t2v_moe")
@@ -236,7 +236,7 @@ def test_one_transformer_under_two_names_is_wrapped_once():
 
 def test_disable_restores_the_users_instance_attributes():
     """disable() deleted instance attributes it had shadowed, so a user's own pipe.prepare_latents (or
-    encode_prompt, vae.tiled_decode) was lost (review, seventh session)."""
+    encode_prompt, vae.tiled_decode) was lost."""
     from diffusers_sp.tiny_models import tiny_wan_pipeline
 
     pipe = tiny_wan_pipeline("t2v")
