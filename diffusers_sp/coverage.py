@@ -127,15 +127,17 @@ def markdown_table(rows: list[PipelineCoverage] | None = None) -> str:
     runs = sorted((r for r in rows if r.runs), key=lambda r: (r.family, r.pipeline))
     refused = sorted((r for r in rows if not r.runs), key=lambda r: (r.transformers[0][1], r.pipeline))
     plan_runs = sorted({(r.family, next(m for _, m in r.transformers)) for r in runs if r.family.startswith("cp_plan:")})
-    lines = ["| Family | Transformer | Text in self-attention | Text mask | Modes | Pipelines that run |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| Family | Transformer | Text in self-attention | Text mask | Modes | Pipelines that run | Notes |",
+             "|---|---|---|---|---|---|---|"]
     for fam in FAMILIES:
         count = sum(r.family == fam.name for r in runs)
         lines.append(f"| {fam.name} | {', '.join(f'`{m}`' for m in fam.model_classes)} | {fam.joint_text or 'no'} | "
-                     f"{'yes' if fam.text_mask else 'no'} | {', '.join(f'`{m}`' for m in fam.modes)} | {count} |")
+                     f"{'yes' if fam.text_mask else 'no'} | {', '.join(f'`{m}`' for m in fam.modes)} | {count} | "
+                     f"{fam.note} |")
     for family, model in plan_runs:
         count = sum(r.family == family for r in runs)
-        lines.append(f"| its `_cp_plan` | `{model}` | no | no | `ulysses`, `kv_gather` | {count} |")
+        lines.append(f"| its `_cp_plan` | `{model}` | no | no | `ulysses`, `kv_gather` | {count} | "
+                     f"through the model's Diffusers `_cp_plan` |")
     lines += ["", f"{len(runs)} of the {len(rows)} pipeline classes of Diffusers built on a transformer run:", "",
               "<details><summary>Every pipeline and its status</summary>", "",
               "| Pipeline | Transformer | Status |", "|---|---|---|"]

@@ -51,4 +51,5 @@ COGVIDEOX = FamilySpec(
     joint_text="prefix",
     text_mask=False,
     cfg_strategy="batch",
+    note="text first in self-attention; 2b's 30 heads split unevenly by Ulysses at 4 ranks",
 )

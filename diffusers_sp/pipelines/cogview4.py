@@ -59,4 +59,5 @@ COGVIEW4 = FamilySpec(
     joint_text="prefix",
     text_mask=True,
     cfg_strategy="two_call",
+    note="text first; its padding mask over queries and keys applied exactly",
 )

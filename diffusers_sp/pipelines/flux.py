@@ -69,4 +69,5 @@ FLUX = FamilySpec(
     text_mask=False,
     cfg_strategy="two_call",
     cfg_by_default=False,
+    note="text first; reference-image tokens (Kontext) and ControlNet residuals split with the image",
 )

@@ -69,4 +69,5 @@ FLUX2 = FamilySpec(
         "kv_cache_mode": "Flux2KleinKVPipeline's reference-image K/V cache: its reference tokens attend only to "
                          "themselves, and their cached K and V join the keys outside the split attention call; the "
                          "pipeline runs without reference images, run it without sequence parallelism for them"},
+    note="text first; reference-image tokens split with the image",
 )

@@ -68,4 +68,5 @@ HIDREAM = FamilySpec(
     attention_modules=hidream_attention_modules,
     joint_text="suffix",
     text_mask=False,
+    note="text after the image; MoE feed-forward per token",
 )

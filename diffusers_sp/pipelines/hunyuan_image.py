@@ -62,4 +62,5 @@ HUNYUAN_IMAGE = FamilySpec(
     # cfg_parallel="auto" leaves CFG parallelism off.
     cfg_strategy="two_call",
     cfg_by_default=False,
+    note="text after the image; the token refiner whole on every rank",
 )

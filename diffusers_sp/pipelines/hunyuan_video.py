@@ -70,4 +70,5 @@ HUNYUAN_VIDEO = FamilySpec(
     text_mask=True,
     cfg_strategy="two_call",
     cfg_by_default=False,
+    note="text after the video; token_replace's first-frame count split per rank",
 )

@@ -62,4 +62,5 @@ LTX = FamilySpec(
     joint_text=None,
     text_mask=True,
     cfg_strategy="batch",
+    note="text in cross-attention; per-token timesteps (image-to-video, condition) split",
 )

@@ -138,4 +138,5 @@ LUMINA2 = FamilySpec(
     # Lumina2Pipeline makes its two CFG calls without Diffusers' cache_context names, so the CFG
     # hook could never pair them: CFG parallelism would only compute each call twice.
     cfg_strategy=None,
+    note="per-sample caption lengths aligned to one text prefix; the noise refiner split",
 )

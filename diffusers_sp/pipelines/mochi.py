@@ -51,4 +51,5 @@ MOCHI = FamilySpec(
     joint_text="suffix",
     text_mask=True,
     cfg_strategy="batch",
+    note="text after the video, its valid tokens per sample",
 )

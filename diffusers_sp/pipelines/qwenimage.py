@@ -62,4 +62,5 @@ QWENIMAGE = FamilySpec(
     text_mask=True,
     cfg_strategy="two_call",
     cfg_by_default=False,
+    note="text first; Edit's reference-image tokens and ControlNet residuals split with the image",
 )

@@ -60,4 +60,5 @@ SD3 = FamilySpec(
     text_mask=False,
     cfg_strategy="batch",
     swapped_processors=("PAGJointAttnProcessor2_0", "PAGCFGJointAttnProcessor2_0"),
+    note="text after the image; ControlNet residuals split; PAG processors wrapped per call",
 )

@@ -151,4 +151,5 @@ WAN = FamilySpec(
     latent_grid=wan_latent_grid,
     self_attention_kv_first=wan_self_attention_kv_first,
     cfg_strategy="two_call",
+    note="text in cross-attention; Wan 2.2's two transformers; TI2V per-token timesteps split; K and V made before Q",
 )
