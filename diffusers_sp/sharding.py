@@ -460,21 +460,25 @@ class SequenceSplitHook(ModelHook):
         state.extra.setdefault("grid", {})[side] = side_len
         return state.shard_sizes()[state.group.rank] if side == "height" else 1
 
+    def _counted_shards(self, what: str, end: str) -> SequenceState:
+        """The state, once a count of the ``end`` (``"leading"`` / ``"last"``) tokens can be given per rank;
+        before any split there is no shard to count in, and with the tokens reordered (VSA tiles) those
+        tokens are no longer an end of each shard: every rank raises alike."""
+        state = self.state
+        if state.seq_len is None or state.order is not None:
+            why = ("before any sequence tensor was split in this forward" if state.seq_len is None
+                   else "with the tokens reordered for the mode's tiles, where they are not an end of each shard")
+            raise SequenceParallelConfigError(
+                f"{what} counts {end} tokens of the sequence, which cannot be split {why}; use a dense mode "
+                f"('ulysses' or 'kv_gather') and a sharding plan that splits the tokens before this module.")
+        return state
+
     def _prefix_count(self, count, what: str):
         """This rank's part of ``count`` leading tokens (see :class:`PrefixCount`); non-ints pass as they are."""
         if not isinstance(count, int) or isinstance(count, bool):
             return count
-        state = self.state
-        if state.seq_len is None or state.order is not None:
-            # Before any split there is no shard to count in; with the tokens reordered (VSA tiles) the
-            # leading tokens are no longer a prefix of each shard. Either way every rank raises alike.
-            why = ("before any sequence tensor was split in this forward" if state.seq_len is None
-                   else "with the tokens reordered for the mode's tiles, where they are not a prefix of each shard")
-            raise SequenceParallelConfigError(
-                f"{what} counts leading tokens of the sequence, which cannot be split {why}; use a dense mode "
-                f"('ulysses' or 'kv_gather') and a sharding plan that splits the tokens before this module.")
-        sizes = state.shard_sizes()
-        rank = state.group.rank
+        sizes = self._counted_shards(what, "leading").shard_sizes()
+        rank = self.state.group.rank
         return max(0, min(count - sum(sizes[:rank]), sizes[rank]))
 
     def _tail_count(self, count, what: str):
@@ -482,13 +486,7 @@ class SequenceSplitHook(ModelHook):
         the tokens before them; non-ints pass as they are."""
         if not isinstance(count, int) or isinstance(count, bool):
             return count
-        state = self.state
-        if state.seq_len is None or state.order is not None:
-            why = ("before any sequence tensor was split in this forward" if state.seq_len is None
-                   else "with the tokens reordered for the mode's tiles, where they are not a suffix of each shard")
-            raise SequenceParallelConfigError(
-                f"{what} counts the last tokens of the sequence, which cannot be split {why}; use a dense mode "
-                f"('ulysses' or 'kv_gather') and a sharding plan that splits the tokens before this module.")
+        state = self._counted_shards(what, "the last")
         if not 0 <= count <= state.seq_len:
             source, shape, dim = state.seq_source
             raise SequenceParallelConfigError(

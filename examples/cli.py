@@ -45,6 +45,30 @@ class ArgumentParser(argparse.ArgumentParser):
         raise FlagError(f"{message} (see --help)")
 
 
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The flags every example shares: ``--seed``, ``--dtype``, ``--check``, ``--cfg-parallel``,
+    ``--sp-degree`` and ``--prompts-file`` (checked by :func:`check_run_flags`)."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--check", action="store_true",
+                   help="every rank then also runs without sequence parallelism and compares its output")
+    p.add_argument("--cfg-parallel", default="off", choices=["off", "on", "auto"],
+                   help="CFG parallelism: two rank groups for the conditional / unconditional passes")
+    p.add_argument("--sp-degree", type=int, default=None,
+                   help="ranks per sequence-parallel group (default: all ranks not used by CFG); the rest are replicas")
+    p.add_argument("--prompts-file", default=None,
+                   help="file with one prompt per line, spread over the replicas (outputs <stem>_000<suffix>, ...)")
+
+
+def check_run_flags(args) -> None:
+    """The checks of :func:`add_run_flags`' values and of ``--steps`` (:class:`FlagError`)."""
+    if args.steps < 1:
+        raise FlagError(f"--steps {args.steps}: must be at least 1")
+    if args.sp_degree is not None and args.sp_degree < 1:
+        raise FlagError(f"--sp-degree {args.sp_degree}: must be at least 1")
+
+
 def run(main, argv=None) -> None:
     """Runs ``main(argv)`` and exits with its status.
 

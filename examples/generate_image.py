@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli import (ArgumentParser, FlagError, checked_output as _checked_output, compare, finish, layout_line,  # noqa: E402
-                 output_path, quiet_other_ranks, read_prompts, run)
+from cli import (ArgumentParser, FlagError, add_run_flags, check_run_flags, checked_output as _checked_output,  # noqa: E402
+                 compare, finish, layout_line, output_path, quiet_other_ranks, read_prompts, run)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 #: Size of the built-in tiny Flux pipeline's images (its VAE does not downsample): 20 x 28 tokens.
@@ -58,22 +58,13 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=None, help="pixels (default: the pipeline's; 56 for the tiny model)")
     p.add_argument("--steps", type=int, default=4, help="denoising steps")
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the pipeline's")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--output", default="outputs/image.png",
                    help="image file written by rank 0: .png, .jpg, .jpeg or .webp; a directory gets image.png inside it")
     p.add_argument("--call-kwargs", default=None,
                    help='other arguments of the pipeline call as JSON, e.g. \'{"true_cfg_scale": 4.0}\'')
-    p.add_argument("--check", action="store_true",
-                   help="every rank then also runs without sequence parallelism and compares its output")
-    p.add_argument("--cfg-parallel", default="off", choices=["off", "on", "auto"],
-                   help="CFG parallelism: two rank groups for the conditional / unconditional passes")
-    p.add_argument("--sp-degree", type=int, default=None,
-                   help="ranks per sequence-parallel group (default: all ranks not used by CFG); the rest are replicas")
-    p.add_argument("--prompts-file", default=None,
-                   help="file with one prompt per line, spread over the replicas (outputs <stem>_000<suffix>, ...)")
+    add_run_flags(p)
     args = p.parse_args(argv)
+    check_run_flags(args)
     check_flags(args)
     return args
 
@@ -83,10 +74,6 @@ def check_flags(args) -> None:
     for flag, value in (("--height", args.height), ("--width", args.width)):
         if value is not None and value <= 0:
             raise FlagError(f"{flag} {value}: must be a positive number of pixels")
-    if args.steps < 1:
-        raise FlagError(f"--steps {args.steps}: must be at least 1")
-    if args.sp_degree is not None and args.sp_degree < 1:
-        raise FlagError(f"--sp-degree {args.sp_degree}: must be at least 1")
     for path in args.image or ():
         if not os.path.isfile(path):
             raise FlagError(f"--image {path!r}: no such file")

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli import (ArgumentParser, FlagError, checked_output as _checked_output, compare, finish, layout_line,  # noqa: E402
-                 output_path, quiet_other_ranks, read_prompts, run)
+from cli import (ArgumentParser, FlagError, add_run_flags, check_run_flags, checked_output as _checked_output,  # noqa: E402
+                 compare, finish, layout_line, output_path, quiet_other_ranks, read_prompts, run)
 
 # Diffusers' export_to_video always encodes H.264 (libx264), which these containers take; WebM does
 # not (it wants VP8/VP9/AV1), so .webm is not offered.
@@ -55,25 +55,16 @@ def parse_args(argv=None):
     p.add_argument("--num-frames", type=int, default=17, help="frames, 4k+1")
     p.add_argument("--steps", type=int, default=4, help="denoising steps")
     p.add_argument("--guidance-scale", type=float, default=5.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--output", default="outputs/video.mp4",
                    help="video file written by rank 0: .mp4, .mov, .mkv, .avi (H.264 through imageio-ffmpeg) or "
                         ".gif; a directory gets video.mp4 inside it")
     p.add_argument("--vsa-sparsity", type=float, default=0.9,
                    help="with --mode vsa: fraction of key tiles each query tile skips (default 0.9)")
-    p.add_argument("--check", action="store_true",
-                   help="every rank then also runs without sequence parallelism and compares its output")
-    p.add_argument("--cfg-parallel", default="off", choices=["off", "on", "auto"],
-                   help="CFG parallelism: two rank groups for the conditional / unconditional passes")
-    p.add_argument("--sp-degree", type=int, default=None,
-                   help="ranks per sequence-parallel group (default: all ranks not used by CFG); the rest are replicas")
     p.add_argument("--parallel-vae", action="store_true", help="share the VAE decode tiles over the ranks")
-    p.add_argument("--prompts-file", default=None,
-                   help="file with one prompt per line, spread over the replicas (outputs <stem>_000<suffix>, ...)")
+    add_run_flags(p)
     args = p.parse_args(argv)
+    check_run_flags(args)
     check_flags(args)
     return args
 
@@ -87,11 +78,8 @@ def check_flags(args) -> None:
             raise FlagError(f"{flag} {value}: must be a positive multiple of {multiple} pixels")
     if args.num_frames < 1 or (args.num_frames - 1) % 4:
         raise FlagError(f"--num-frames {args.num_frames}: must be 4k+1 (1, 5, 9, ...)")
-    for flag, value in (("--steps", args.steps), ("--fps", args.fps)):
-        if value < 1:
-            raise FlagError(f"{flag} {value}: must be at least 1")
-    if args.sp_degree is not None and args.sp_degree < 1:
-        raise FlagError(f"--sp-degree {args.sp_degree}: must be at least 1")
+    if args.fps < 1:
+        raise FlagError(f"--fps {args.fps}: must be at least 1")
 
 
 def write_video(frames, path: str, fps: int) -> None:
