@@ -488,68 +488,25 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     opts = dict(attention_kernel=attention_kernel, sp_transport=sp_transport, overlap_head_groups=overlap_head_groups,
                 overlap_query_projection=overlap_query_projection,
                 **{k: VSA_DEFAULTS[k] if v is None else v for k, v in given_vsa.items()})
-    if opts["attention_kernel"] not in KERNELS:
-        raise SequenceParallelConfigError(
-            f"attention_kernel={opts['attention_kernel']!r} is not one of {KERNELS}.")
-    if opts["sp_transport"] not in TRANSPORTS:
-        raise SequenceParallelConfigError(f"sp_transport={opts['sp_transport']!r} is not one of {TRANSPORTS}.")
-    if not isinstance(parallel_vae, bool):
-        raise SequenceParallelConfigError(f"parallel_vae must be True or False, got {parallel_vae!r}.")
-    if not isinstance(opts["overlap_query_projection"], bool):
-        raise SequenceParallelConfigError(
-            f"overlap_query_projection must be True or False, got {opts['overlap_query_projection']!r}.")
-    groups_opt = opts["overlap_head_groups"]
-    try:
-        head_group_sizes(1, groups_opt)  # the copy engines' own check of the option
-    except ValueError as exc:
-        raise SequenceParallelConfigError(f"{exc}.") from None
+    _check_options(opts, parallel_vae)
     family, models = resolve_target(target)
     traits = PipelineTraits(name=type(target).__name__, family=family.name, is_video=family.is_video,
                             models=tuple(family.model_traits(m, a) for a, m in models))
     if getattr(target, _HANDLE_ATTR, None) is not None or any(getattr(m, _HANDLE_ATTR, None) for _, m in models):
         raise SequenceParallelConfigError(
             f"{traits.name}: sequence parallelism is already enabled; call disable_sequence_parallel() first.")
-    from .replicas import resolve_layout
-
-    pag = _perturbed_guidance(target)
-    if pag and cfg_parallel is True:
-        raise SequenceParallelConfigError(
-            f"{traits.name}: cfg_parallel=True cannot split this pipeline's guidance: {pag}, while CFG "
-            f"parallelism gives each CFG group one half of the batch. Use cfg_parallel=False (sequence "
-            f"parallelism runs perturbed-attention guidance exactly).")
-    layout = resolve_layout(traits.name, world_size_for(process_group), cfg_parallel=cfg_parallel,
-                            sp_degree=sp_degree, family=family.name,
-                            cfg_capable=family.cfg_strategy is not None and not pag,
-                            cfg_by_default=family.cfg_by_default, process_group=process_group)
-    if pag and cfg_parallel == "auto":
-        layout = dataclasses.replace(layout, cfg_reason=pag)
+    layout = _resolve_layout(target, traits, family, process_group, cfg_parallel, sp_degree)
     resolved = validate_mode(mode, traits, layout.sp_degree)
     cfg_strategy = family.cfg_strategy if layout.cfg_degree == 2 else None
     for _, model in models:
         caches.check_no_diffusers_parallelism(model)
         caches.CacheSupport(type(model).__name__, None, cfg_strategy=cfg_strategy).check(model.modules())
-    vsa = gate_error = None
     stray = sorted(k for k, v in given_vsa.items() if v is not None and resolved != "vsa")
     if stray:
         raise SequenceParallelConfigError(
             f"{traits.name}: {', '.join(stray)} apply to mode='vsa' only, but the mode is {resolved!r} "
             f"(from mode={mode!r}). Pass mode='vsa' or drop them.")
-    if resolved == "vsa":
-        sparsity, tile, sp_mode = validate_vsa(
-            traits, layout.sp_degree, sparsity=opts["vsa_sparsity"], tile_size=opts["vsa_tile_size"],
-            sp_mode=opts["vsa_sp_mode"], has_latent_grid=family.latent_grid is not None,
-            family_refusal=family.vsa_refusal)
-        paths = _gate_paths(opts["vsa_gate_weights"], traits)
-        # Every rank reads the files before any collective. A file that only some ranks can read (a
-        # path missing on one host) must not fail on those alone: the outcome is compared over the
-        # launch with the options below, and raised after that on every rank.
-        try:
-            gates = [None if path is None else load_gate_weights(path, mt.num_attention_layers, mt.num_heads * mt.head_dim)
-                     for path, mt in zip(paths, traits.models)]
-        except Exception as exc:  # noqa: BLE001 - any reader error (missing file, bad safetensors) is shared
-            gates, gate_error = None, exc if isinstance(exc, SequenceParallelConfigError) else \
-                SequenceParallelConfigError(f"vsa_gate_weights: {type(exc).__name__}: {exc}")
-        vsa = dict(sparsity=sparsity, tile=tile, sp_mode=sp_mode, gates=gates)
+    vsa, gate_error = _resolve_vsa(traits, family, layout, opts) if resolved == "vsa" else (None, None)
     if parallel_vae:
         from .vae import check_parallel_vae
 
@@ -561,7 +518,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     # arguments and never leave.
     agree = {
         "model": traits.fingerprint(), "mode": resolved, "attention_kernel": opts["attention_kernel"],
-        "sp_transport": opts["sp_transport"], "overlap_head_groups": groups_opt,
+        "sp_transport": opts["sp_transport"], "overlap_head_groups": opts["overlap_head_groups"],
         "overlap_query_projection": opts["overlap_query_projection"],
         "vsa": None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"], opts["vsa_gate_weights"] is not None),
         "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
@@ -579,17 +536,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
 
         pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree)
         group = pgroups.sp
-    # The transport also depends on each rank's environment (launcher variables, peer access): its
-    # verdict, or its refusal, is shared within the SP group so that no rank raises alone.
     kv_first = family.self_attention_kv_first if opts["overlap_query_projection"] else None
-    try:
-        transport, refusal = _resolve_transport(opts["sp_transport"], resolved, group, traits,
-                                                kv_first=kv_first is not None), None
-    except SequenceParallelConfigError as exc:
-        transport, refusal = None, str(exc)
-    _check_same_on_all_ranks(group, {"sp_transport (resolved)": transport if refusal is None else f"refused: {refusal}"})
-    if refusal is not None:
-        raise SequenceParallelConfigError(refusal)
+    transport = _agreed_transport(opts["sp_transport"], resolved, group, traits, kv_first=kv_first is not None)
 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
                                     group=group, target=target, sp_mode=vsa["sp_mode"] if vsa else resolved,
@@ -614,6 +562,78 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                     resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", sizes, handle.transport,
                     f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")
     return handle
+
+
+def _check_options(opts: dict, parallel_vae) -> None:
+    """The type and value checks of :func:`enable_sequence_parallel`'s options (pure: every rank alike)."""
+    if opts["attention_kernel"] not in KERNELS:
+        raise SequenceParallelConfigError(
+            f"attention_kernel={opts['attention_kernel']!r} is not one of {KERNELS}.")
+    if opts["sp_transport"] not in TRANSPORTS:
+        raise SequenceParallelConfigError(f"sp_transport={opts['sp_transport']!r} is not one of {TRANSPORTS}.")
+    if not isinstance(parallel_vae, bool):
+        raise SequenceParallelConfigError(f"parallel_vae must be True or False, got {parallel_vae!r}.")
+    if not isinstance(opts["overlap_query_projection"], bool):
+        raise SequenceParallelConfigError(
+            f"overlap_query_projection must be True or False, got {opts['overlap_query_projection']!r}.")
+    try:
+        head_group_sizes(1, opts["overlap_head_groups"])  # the copy engines' own check of the option
+    except ValueError as exc:
+        raise SequenceParallelConfigError(f"{exc}.") from None
+
+
+def _resolve_layout(target, traits, family, process_group, cfg_parallel, sp_degree):
+    """The ``replicas x cfg x sp`` :class:`~diffusers_sp.replicas.Layout` (pure, before any collective);
+    a pipeline with perturbed-attention guidance keeps CFG parallelism off (see :func:`_perturbed_guidance`)."""
+    from .replicas import resolve_layout
+
+    pag = _perturbed_guidance(target)
+    if pag and cfg_parallel is True:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: cfg_parallel=True cannot split this pipeline's guidance: {pag}, while CFG "
+            f"parallelism gives each CFG group one half of the batch. Use cfg_parallel=False (sequence "
+            f"parallelism runs perturbed-attention guidance exactly).")
+    layout = resolve_layout(traits.name, world_size_for(process_group), cfg_parallel=cfg_parallel,
+                            sp_degree=sp_degree, family=family.name,
+                            cfg_capable=family.cfg_strategy is not None and not pag,
+                            cfg_by_default=family.cfg_by_default, process_group=process_group)
+    if pag and cfg_parallel == "auto":
+        layout = dataclasses.replace(layout, cfg_reason=pag)
+    return layout
+
+
+def _resolve_vsa(traits, family, layout, opts) -> tuple[dict, SequenceParallelConfigError | None]:
+    """``mode="vsa"``'s options checked and its gate weights read: ``(vsa settings, the reading's error)``.
+
+    Every rank reads the files before any collective. A file that only some ranks can read (a path
+    missing on one host) must not fail on those alone: the outcome is compared over the launch with the
+    other options, and raised after that on every rank."""
+    sparsity, tile, sp_mode = validate_vsa(
+        traits, layout.sp_degree, sparsity=opts["vsa_sparsity"], tile_size=opts["vsa_tile_size"],
+        sp_mode=opts["vsa_sp_mode"], has_latent_grid=family.latent_grid is not None,
+        family_refusal=family.vsa_refusal)
+    paths = _gate_paths(opts["vsa_gate_weights"], traits)
+    gate_error = None
+    try:
+        gates = [None if path is None else load_gate_weights(path, mt.num_attention_layers, mt.num_heads * mt.head_dim)
+                 for path, mt in zip(paths, traits.models)]
+    except Exception as exc:  # noqa: BLE001 - any reader error (missing file, bad safetensors) is shared
+        gates, gate_error = None, exc if isinstance(exc, SequenceParallelConfigError) else \
+            SequenceParallelConfigError(f"vsa_gate_weights: {type(exc).__name__}: {exc}")
+    return dict(sparsity=sparsity, tile=tile, sp_mode=sp_mode, gates=gates), gate_error
+
+
+def _agreed_transport(requested: str, mode: str, group: SPGroup, traits, *, kv_first: bool) -> str:
+    """:func:`_resolve_transport`, its verdict or refusal shared within the SP group: it also depends on
+    each rank's environment (launcher variables, peer access), so no rank may raise alone."""
+    try:
+        transport, refusal = _resolve_transport(requested, mode, group, traits, kv_first=kv_first), None
+    except SequenceParallelConfigError as exc:
+        transport, refusal = None, str(exc)
+    _check_same_on_all_ranks(group, {"sp_transport (resolved)": transport if refusal is None else f"refused: {refusal}"})
+    if refusal is not None:
+        raise SequenceParallelConfigError(refusal)
+    return transport
 
 
 def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, layout, parallel_vae,
