@@ -27,9 +27,16 @@ Rows per case:
   the same time; its note lists each GPU's time, its ``ms`` is the slowest. A split step waits for
   the slower GPU at every layer, so this row shows how much of a ratio below 2x (or above) is the
   GPUs' own pace difference (the lent H200 pairs differed by 0.1-2.7 %, ``ablate_comm.py``).
+* ``stock (fa4)``: the same with Diffusers' ``flash_4_hub`` attention backend served by the
+  FlashAttention-4 installed here (every attention call, self and cross; only where FA4 is installed).
 * ``stock (native) + compile``: the same under ``torch.compile``.
 * ``ours <mode>``: ``enable_sequence_parallel(model, mode)`` over all ranks (at world size 1 this is
-  the processor overhead), ``ours <mode> + compile`` the same under ``torch.compile``.
+  the processor overhead), ``ours <mode> + compile`` the same under ``torch.compile``. With
+  FlashAttention-4 installed, ``attention_kernel="auto"`` runs the split self-attention on FA4 (the
+  cross-attention stays on Diffusers' native backend); ``ours <mode> (fa4)`` also sets the model's
+  backend to FA4 like ``stock (fa4)``, so every attention call runs the same kernel as that row.
+  ``ours <mode> (cudnn ctx)`` (one GPU): ``attention_kernel="sdpa"`` under ``sdpa_kernel([cuDNN])``, the
+  same kernels as ``stock (cudnn)``.
 * ``diffusers ulysses (native|cudnn)``, ``diffusers ring (cudnn)``: ``model.enable_parallelism(
   config=ContextParallelConfig(...))`` on a fresh model, only when more than one rank runs.
 
@@ -600,6 +607,50 @@ def stock_row(model, inputs, backend=None, compile_=False):
     return setup
 
 
+def local_fa4_backend() -> str | None:
+    """Diffusers' ``flash_4_hub`` attention backend, served by the FlashAttention-4 installed here.
+
+    Diffusers loads that backend's function from the Hugging Face Hub through the ``kernels`` package;
+    the GPU machines reach no Hub, so the function of the local ``flash_attn.cute`` is put in the
+    backend's registry entry and the ``kernels`` requirement check is bypassed (benchmark only).
+    Returns the backend name, or None where FA4 is not installed.
+    """
+    from diffusers_sp.kernels import fa4
+
+    functions = fa4.fa4_functions()
+    if functions is None:
+        return None
+    from diffusers.models import attention_dispatch as dispatch
+
+    dispatch._HUB_KERNELS_REGISTRY[dispatch.AttentionBackendName.FLASH_4_HUB].kernel_fn = functions[0]
+    dispatch.is_kernels_available = lambda: True
+    dispatch.is_kernels_version = lambda *args, **kwargs: True
+    return dispatch.AttentionBackendName.FLASH_4_HUB.value
+
+
+def with_model_backend(model, backend, setup):
+    """Row setup ``setup`` with ``model.set_attention_backend(backend)`` around it (reset at cleanup)."""
+
+    def wrapped():
+        model.set_attention_backend(backend)
+        try:
+            step, note, cleanup = setup()
+        except Exception:
+            model.reset_attention_backend()
+            restore_attention_backend()
+            raise
+
+        def done():
+            if cleanup is not None:
+                cleanup()
+            model.reset_attention_backend()
+            restore_attention_backend()
+
+        return step, note, done
+
+    return wrapped
+
+
 def ours_row(model, inputs, mode, options, compile_=False, backend=None):
     """``backend``: run the whole step under ``sdpa_kernel([backend])`` like ``stock (cudnn)``, so that the
     model's other attention calls (cross-attention) use the same kernel as the stock row: the difference
@@ -866,6 +917,10 @@ def run_case(ctx: Ctx, bench: Bench, case_name: str, case: dict):
                 bench.row(case_name, label, stock_row(model, inputs, backend), ranks=1, **common)
             else:
                 bench.skip(case_name, label, "CUDA only", 1)
+    fa4_backend = local_fa4_backend() if ctx.cuda else None
+    if fa4_backend is not None:
+        bench.row(case_name, "stock (fa4)", with_model_backend(model, fa4_backend, stock_row(model, inputs)),
+                  ranks=1, **common)
     if not args.no_compile:
         bench.row(case_name, "stock (native) + compile", stock_row(model, inputs, compile_=True), ranks=1,
                   compile_row=True, **common)
@@ -877,6 +932,10 @@ def run_case(ctx: Ctx, bench: Bench, case_name: str, case: dict):
         if mode == "vsa":
             options.update(json.loads(args.vsa_options))
         bench.row(case_name, f"ours {mode}", ours_row(model, inputs, mode, options), ranks=ctx.world, **common)
+        if fa4_backend is not None:
+            bench.row(case_name, f"ours {mode} (fa4)",
+                      with_model_backend(model, fa4_backend, ours_row(model, inputs, mode, options)),
+                      ranks=ctx.world, **common)
     for label, (mode, options) in json.loads(args.variants).items():
         options = dict(attention_kernel=args.attention_kernel, **options)
         bench.row(case_name, f"ours {label}", ours_row(model, inputs, mode, options), ranks=ctx.world, **common)
@@ -884,7 +943,7 @@ def run_case(ctx: Ctx, bench: Bench, case_name: str, case: dict):
         # Processor overhead with the same kernels everywhere as `stock (cudnn)`.
         for mode in [m for m in modes if m in ("ulysses", "kv_gather")]:
             bench.row(case_name, f"ours {mode} (cudnn ctx)",
-                      ours_row(model, inputs, mode, dict(attention_kernel=args.attention_kernel),
+                      ours_row(model, inputs, mode, dict(attention_kernel="sdpa"),
                                backend="CUDNN_ATTENTION"), ranks=1, **common)
     if not args.no_compile:
         for mode in [m for m in args.compile_modes.split(",") if m]:

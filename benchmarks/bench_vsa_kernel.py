@@ -4,12 +4,14 @@ Shape: the self-attention of Wan2.1-1.3B at 480x832, 81 frames: latent grid (T, 
 (21, 30, 52) = 32760 tokens, 12 heads, head dim 128, batch 1, bfloat16. VSA tiles are (4, 4, 4).
 
 Times (median of CUDA-event timings after warm-up):
-  * dense ``F.scaled_dot_product_attention`` with the cuDNN and with the flash backend;
+  * dense ``F.scaled_dot_product_attention`` with the cuDNN and with the flash backend, and dense
+    FlashAttention-4 (``flash_attn.cute``) where it is installed;
   * VSA (default backend: the Triton kernel, its TMA version on Hopper) at the given sparsity with a
     zero gate and with a random gate, both end to end (tiling q, k, v (and gate), VSA, untiling the
-    output) and on pre-tiled tensors; the zero-gate case also with the flex backend;
+    output) and on pre-tiled tensors; the zero-gate case also with the flex backend; with
+    FlashAttention-4 installed, the same with the FA4 block-sparse fine stage (``backend="fa4"``);
   * the fine stage alone (Triton default, Triton with ordinary loads, flex_attention with a prebuilt
-    BlockMask), to separate the sparse kernel from the coarse stage and top-k;
+    BlockMask, FA4 block-sparse), to separate the sparse kernel from the coarse stage and top-k;
   * ``--sweep``: the Triton kernel's launch configurations; ``--bound``: two stripped copies of the
     fine stage (loads only; loads and both matrix products without softmax).
 Checks VSA at sparsity 0 with a zero gate against dense attention, and the backends against each
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from diffusers_sp.kernels import vsa  # noqa: E402
+from diffusers_sp.kernels import fa4, vsa  # noqa: E402
 from diffusers_sp.kernels import vsa_triton  # noqa: E402
 from diffusers_sp.kernels.vsa import (  # noqa: E402
     make_tile_layout, tile_tokens, untile_tokens, video_sparse_attention, vsa_topk)
@@ -140,10 +142,10 @@ def main() -> int:
         return video_sparse_attention(query, key, value, q_block_sizes=block_sizes, kv_block_sizes=block_sizes,
                                       sparsity=sparsity, gate=gate_tiled, backend=backend)
 
-    def vsa_end_to_end(with_gate):
+    def vsa_end_to_end(with_gate, backend="triton"):
         tiled = [tile_tokens(x, layout, dim=2) for x in (q, k, v)]
         gate_tiled = tile_tokens(gate, layout, dim=2) if with_gate else None
-        return untile_tokens(vsa_tiled(*tiled, gate_tiled, args.sparsity), layout, dim=2)
+        return untile_tokens(vsa_tiled(*tiled, gate_tiled, args.sparsity, backend), layout, dim=2)
 
     # The fine stage alone: the selection and BlockMask are built once, outside the timing.
     scores = vsa._tile_means(qt, block_sizes) @ vsa._tile_means(kt, block_sizes).transpose(-1, -2)
@@ -160,9 +162,12 @@ def main() -> int:
     def triton_fine_stage_only(config=None):
         return vsa_triton.fine_stage_triton(qt, kt, vt, selected, block_sizes, scale, config=config)
 
-    def coarse_and_topk():
+    def coarse_and_topk(sorted_topk=True):
         s = vsa._tile_means(qt, block_sizes) @ vsa._tile_means(kt, block_sizes).transpose(-1, -2)
-        return s.topk(topk, dim=-1).indices
+        return s.topk(topk, dim=-1, sorted=sorted_topk).indices
+
+    def fa4_fine_stage_only():
+        return fa4.fa4_block_sparse_fine_stage(qt, kt, vt, selected, block_sizes, scale)
 
     cases = {
         "dense_sdpa_cudnn": lambda: dense(SDPBackend.CUDNN_ATTENTION),
@@ -176,6 +181,16 @@ def main() -> int:
         "fine_stage_only_triton": triton_fine_stage_only,
         "fine_stage_only_flex": fine_stage_only,
     }
+    cases["coarse_stage_and_topk_unsorted"] = lambda: coarse_and_topk(sorted_topk=False)
+    has_fa4 = fa4.fa4_block_sparse_applies(qt, kt, vt) is None
+    if has_fa4:
+        cases.update({
+            "dense_fa4": lambda: fa4.fa4_attention(q, k, v),
+            "vsa_zero_gate_end_to_end_fa4": lambda: vsa_end_to_end(with_gate=False, backend="fa4"),
+            "vsa_random_gate_end_to_end_fa4": lambda: vsa_end_to_end(with_gate=True, backend="fa4"),
+            "vsa_zero_gate_kernel_fa4": lambda: vsa_tiled(qt, kt, vt, None, args.sparsity, "fa4"),
+            "fine_stage_only_fa4": fa4_fine_stage_only,
+        })
     cases["fine_stage_only_triton_plain_s2"] = lambda: triton_fine_stage_only({"tma": False, "num_stages": 2})
     if args.sweep:
         for stages in (2, 3, 4, 5, 6):
@@ -201,6 +216,8 @@ def main() -> int:
     dense_flops = 4 * BATCH * HEADS * seq * seq * HEAD_DIM
     sparse_flops = 4 * BATCH * HEADS * (layout.num_tiles * layout.tile_volume) * (topk * layout.tile_volume) * HEAD_DIM
     best_dense = min((r["ms"] for n, r in results.items() if n.startswith("dense") and r["ms"]), default=None)
+    dense_refs = {name: results[name]["ms"] for name in ("dense_sdpa_cudnn", "dense_fa4")
+                  if results.get(name, {}).get("ms")}
     for name, r in results.items():
         if r["ms"] is None:
             continue
@@ -208,6 +225,8 @@ def main() -> int:
         r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
         if best_dense is not None:
             r["speedup_vs_best_dense"] = best_dense / r["ms"]
+        for ref_name, ref_ms in dense_refs.items():
+            r[f"speedup_vs_{ref_name}"] = ref_ms / r["ms"]
 
     # Accuracy: VSA with sparsity 0 and a zero gate is dense attention.
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
@@ -219,7 +238,17 @@ def main() -> int:
                                     vsa_tiled(qt, kt, vt, None, args.sparsity, "flex"))
     # The TMA variant against the default kernel on the same selection.
     tma_error = relative_error(triton_fine_stage_only(), triton_fine_stage_only({"tma": False}))
-    accuracy_ok = error <= ACCURACY_LIMIT and backends_error <= ACCURACY_LIMIT and tma_error <= ACCURACY_LIMIT
+    fa4_error = fa4_dense_error = fa4_sparse0_error = None
+    if has_fa4:
+        # The FA4 fine stage against Triton on the same selection, dense FA4 against SDPA, and FA4 VSA at
+        # sparsity 0 (every tile selected, partial ones masked) against dense SDPA.
+        fa4_error = relative_error(vsa_tiled(qt, kt, vt, None, args.sparsity, "fa4"),
+                                   vsa_tiled(qt, kt, vt, None, args.sparsity, "triton"))
+        fa4_dense_error = relative_error(fa4.fa4_attention(q, k, v), dense_out)
+        fa4_sparse0_error = relative_error(untile_tokens(vsa_tiled(qt, kt, vt, None, 0.0, "fa4"), layout, dim=2),
+                                           dense_out)
+    accuracy_ok = all(e <= ACCURACY_LIMIT for e in (error, backends_error, tma_error, fa4_error, fa4_dense_error,
+                                                     fa4_sparse0_error) if e is not None)
 
     report = {
         "device": torch.cuda.get_device_name(),
@@ -234,6 +263,8 @@ def main() -> int:
         "accuracy": {"check": "vsa(sparsity=0, gate=None) vs dense SDPA, relative Frobenius error",
                      "relative_error": error, "triton_vs_flex_relative_error": backends_error,
                      "triton_tma_vs_triton_relative_error": tma_error,
+                     "fa4_vs_triton_relative_error": fa4_error, "fa4_dense_vs_sdpa_relative_error": fa4_dense_error,
+                     "fa4_vsa_sparsity0_vs_dense_relative_error": fa4_sparse0_error,
                      "limit": ACCURACY_LIMIT, "ok": accuracy_ok},
     }
     with open(args.json, "w") as f:
@@ -241,16 +272,17 @@ def main() -> int:
 
     print(f"{report['device']}, torch {report['torch']}: grid {grid} = {seq} tokens, {layout.num_tiles} tiles of "
           f"{layout.tile_volume}, B={BATCH} H={HEADS} D={HEAD_DIM} bf16; sparsity {args.sparsity} -> top-{topk}")
-    print(f"{'case':30s} {'ms':>9s} {'TFLOP/s':>9s} {'speedup':>8s}")
+    print(f"{'case':32s} {'ms':>9s} {'TFLOP/s':>9s} {'vs best':>8s} {'vs cuDNN':>8s} {'vs FA4':>8s}")
     for name, r in results.items():
         if r["ms"] is None:
             print(f"{name:30s} {'failed':>9s}  {r['error']}")
             continue
-        speedup = r.get("speedup_vs_best_dense")
-        print(f"{name:30s} {r['ms']:9.3f} {r['tflops']:9.1f} {speedup:8.2f}" if speedup else
-              f"{name:30s} {r['ms']:9.3f} {r['tflops']:9.1f}")
+        ratios = " ".join(f"{r[key]:8.2f}" if key in r else f"{'-':>8s}" for key in
+                          ("speedup_vs_best_dense", "speedup_vs_dense_sdpa_cudnn", "speedup_vs_dense_fa4"))
+        print(f"{name:32s} {r['ms']:9.3f} {r['tflops']:9.1f} {ratios}")
     print(f"accuracy: sparsity 0 vs dense relative error {error:.2e}, triton vs flex at sparsity "
-          f"{args.sparsity} {backends_error:.2e}, TMA vs plain Triton {tma_error:.2e} (limit {ACCURACY_LIMIT:g}): "
+          f"{args.sparsity} {backends_error:.2e}, TMA vs plain Triton {tma_error:.2e}, FA4 vs Triton {fa4_error}, "
+          f"dense FA4 vs SDPA {fa4_dense_error}, FA4 VSA sparsity 0 vs dense {fa4_sparse0_error} (limit {ACCURACY_LIMIT:g}): "
           f"{'ok' if accuracy_ok else 'FAILED'}")
     print(f"wrote {args.json}")
     return 0 if accuracy_ok else 1

@@ -93,6 +93,7 @@ class SequenceParallelHandle:
             (``"none"`` at world size 1 without a distributed run). VSA, and Ulysses on models with
             joint text, use the collectives. Inside a ``torch.compile``d region the processors take
             the collectives whatever this says (side streams and events do not trace).
+        requested_kernel: The ``attention_kernel`` option as given; :attr:`attention_kernel` says what runs.
     """
 
     mode: str
@@ -103,6 +104,7 @@ class SequenceParallelHandle:
     target: object = field(repr=False)
     sp_mode: str = ""
     transport: str = "nccl"
+    requested_kernel: str = "auto"
     _models: list = field(default_factory=list, repr=False)
     # Issue 8: replicas x cfg x sp layout (see diffusers_sp.replicas / cfg_parallel / vae).
     replica_index: int = 0
@@ -113,6 +115,34 @@ class SequenceParallelHandle:
     groups: object = field(default=None, repr=False)
     _undo: list = field(default_factory=list, repr=False)
     _cfg_hooks: list = field(default_factory=list, repr=False)  # CFGParallelHook per transformer (stats)
+
+    def kernel_choice(self):
+        """The local kernel that runs unmasked self-attention of the (first) transformer as it is now.
+
+        Resolves :attr:`requested_kernel` for the model's current device and dtype and its head dim (see
+        :func:`diffusers_sp.kernels.sdpa.choose_kernel`). Masked calls may differ: a boolean key padding
+        mask keeps FlashAttention-4 (through its varlen entry), other masks run on SDPA.
+
+        Returns:
+            A :class:`~diffusers_sp.kernels.sdpa.KernelChoice` (``name`` and the ``reason`` for a fallback).
+        """
+        from .kernels import fa4
+        from .kernels.sdpa import _legacy_flash_attn, choose_kernel
+
+        model = self._models[0].model if self._models else None
+        param = next(model.parameters(), None) if model is not None else None
+        device = param.device if param is not None else torch.device("cpu")
+        dtype = param.dtype if param is not None else torch.float32
+        legacy = _legacy_flash_attn()
+        return choose_kernel(self.requested_kernel, device_type=device.type, capability=fa4.device_capability(device),
+                             dtype=dtype, head_dim=self.traits.models[0].head_dim, mask=None,
+                             fa4_installed=fa4.fa4_installed(), legacy_flash=None if legacy is None else legacy[1])
+
+    @property
+    def attention_kernel(self) -> str:
+        """Name of the kernel that runs unmasked self-attention now: ``"flash_attn_4"``, ``"flash_attn_3"``,
+        ``"flash_attn_2"`` or ``"sdpa"`` (see :meth:`kernel_choice`)."""
+        return self.kernel_choice().name
 
     def patch_attribute(self, obj, name: str, value) -> None:
         """Sets ``obj.name = value`` as an instance attribute (shadowing a method, e.g. a pipeline's
@@ -541,7 +571,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
                                     group=group, target=target, sp_mode=vsa["sp_mode"] if vsa else resolved,
-                                    transport=transport if transport == "copy_engine" else group.backend or "none")
+                                    transport=transport if transport == "copy_engine" else group.backend or "none",
+                                    requested_kernel=opts["attention_kernel"])
     replica_group = group
     if pgroups is not None:
         handle.groups = pgroups

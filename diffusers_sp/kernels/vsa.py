@@ -39,9 +39,14 @@ except ImportError:  # torch without flex_attention
     BlockMask = None
     flex_attention = None
 
+from .fa4 import fa4_block_sparse_applies, fa4_block_sparse_fine_stage
 from .vsa_triton import fine_stage_triton, triton_applies, triton_requirements
 
-BACKENDS = ("auto", "reference", "flex", "triton")
+BACKENDS = ("auto", "reference", "flex", "triton", "fa4")
+# The order in which backend="auto" tries the fine-stage kernels (the first that applies runs), fastest
+# first as measured at the Wan2.1-1.3B shape on an H200 (sparsity 0.9, bf16; benchmarks/RESULTS.md):
+# Triton 2.54 ms, flex 3.16 ms, FA4 block-sparse 3.61 ms (its partial edge tiles need the mask_mod path).
+AUTO_ORDER = ("triton", "flex", "fa4", "reference")
 _FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Upper bound on the elements (scores plus gathered keys and values) that one chunk of query tiles
@@ -245,12 +250,15 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         gate: None (a zero gate: the output is the fine stage alone), or ``[B, H, Nq, V, D]``,
             the per-token weight of the coarse output (cast to q's dtype).
         scale: Softmax scale of both stages; None means ``1 / sqrt(D)``.
-        backend: ``"reference"`` (pure torch, any device, differentiable), ``"triton"`` (the
+        backend: ``"reference"`` (pure torch, any device, differentiable), ``"fa4"``
+            (FlashAttention-4's block-sparse forward, one 64-slot tile per sparse block; CUDA sm90,
+            bf16/fp16, ``V`` a multiple of 64, see :func:`~diffusers_sp.kernels.fa4.fa4_block_sparse_fine_stage`),
+            ``"triton"`` (the
             block-sparse Triton kernel of :mod:`diffusers_sp.kernels.vsa_triton`; CUDA, bf16/fp16,
             forward only, see :func:`~diffusers_sp.kernels.vsa_triton.triton_applies`), ``"flex"``
             (``flex_attention`` with a block-sparse ``BlockMask``, compiled; CUDA only, ``V`` a
             multiple of 16, ``D >= 16``, forward only) or ``"auto"`` (the first of ``"triton"``,
-            ``"flex"``, ``"reference"`` that applies).
+            ``"flex"``, ``"reference"`` that applies, in the order of :data:`AUTO_ORDER`).
 
     Returns:
         ``[B, H, Nq, V, D]`` in q's dtype; padded query slots are zero.
@@ -258,7 +266,7 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Raises:
         ValueError: tensors not 5-D or with mismatched batch / heads / V / D / dtype / device,
             block sizes of the wrong length or dtype, ``sparsity`` outside ``[0, 1)``, a gate of
-            the wrong shape, an unknown backend, or ``"flex"`` or ``"triton"`` where it cannot run.
+            the wrong shape, an unknown backend, or ``"fa4"``, ``"flex"`` or ``"triton"`` where it cannot run.
 
     The tile means sum every slot (in float32) and divide by the block size, so padded slots must be
     zero, as :func:`tile_tokens` leaves them; the fine stage masks padded key slots itself. The
@@ -273,7 +281,7 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     q_block_sizes = q_block_sizes.to(device=q.device, dtype=torch.long)
     kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.long)
     if backend == "auto":
-        backend = "triton" if triton_applies(q, k, v) else "flex" if _flex_applies(q, k, v) else "reference"
+        backend = auto_backend(q, k, v)
 
     # Coarse stage: tile means and tile-level scores, in float32.
     q_mean = _tile_means(q, q_block_sizes)
@@ -282,10 +290,13 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     # Selection: the top-k key tiles of each query tile.
     topk = vsa_topk(num_kv_tiles, sparsity)
-    selected = scores.topk(topk, dim=-1).indices  # [B, H, Nq, topk]
+    # Unsorted: the fine stages take the selected tiles in any order, and skipping the sort is cheaper.
+    selected = scores.topk(topk, dim=-1, sorted=False).indices  # [B, H, Nq, topk]
 
     # Fine stage: token attention over the selected key tiles.
-    if backend == "triton":
+    if backend == "fa4":
+        out = fa4_block_sparse_fine_stage(q, k, v, selected, kv_block_sizes, scale)
+    elif backend == "triton":
         out = fine_stage_triton(q, k, v, selected, kv_block_sizes, scale)
     elif backend == "flex":
         out = _fine_stage_flex(q, k, v, selected, kv_block_sizes, scale)
@@ -299,6 +310,16 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     q_valid = _slot_mask(q_block_sizes, tile_volume)  # [Nq, V]
     return out.masked_fill(~q_valid.unsqueeze(-1), 0)
+
+
+def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The fine-stage backend ``backend="auto"`` runs for tiled ``[B, H, N, V, D]`` tensors: the first of
+    :data:`AUTO_ORDER` that applies (``"reference"`` always does)."""
+    applies = {"fa4": lambda: fa4_block_sparse_applies(q, k, v) is None,
+               "triton": lambda: triton_applies(q, k, v),
+               "flex": lambda: _flex_applies(q, k, v),
+               "reference": lambda: True}
+    return next(name for name in AUTO_ORDER if applies[name]())
 
 
 def _fine_stage_reference(q, k, v, selected, kv_block_sizes, scale):
@@ -362,8 +383,8 @@ def _selection_block_mask(selected: torch.Tensor, kv_block_sizes: torch.Tensor, 
     num_q_tiles = selected.shape[2]
     num_kv_tiles = kv_block_sizes.shape[0]
     whole = (kv_block_sizes == tile_volume)[selected]  # [B, H, Nq, topk]
-    full_num_blocks, full_indices = _block_list(selected, whole, num_kv_tiles)
-    partial_num_blocks, partial_indices = _block_list(selected, ~whole, num_kv_tiles)
+    full_num_blocks, full_indices = block_lists(selected, whole, num_kv_tiles)
+    partial_num_blocks, partial_indices = block_lists(selected, ~whole, num_kv_tiles)
 
     def valid_key_slot(b, h, q_idx, kv_idx):
         return (kv_idx % tile_volume) < kv_block_sizes[kv_idx // tile_volume]
@@ -375,8 +396,9 @@ def _selection_block_mask(selected: torch.Tensor, kv_block_sizes: torch.Tensor, 
         compute_q_blocks=False)
 
 
-def _block_list(selected: torch.Tensor, keep: torch.Tensor, num_kv_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selected tiles where ``keep`` holds, as flex_attention's (count, indices) pair.
+def block_lists(selected: torch.Tensor, keep: torch.Tensor, num_kv_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected tiles where ``keep`` holds, as a (count, indices) pair: the block-list format that
+    flex_attention's ``BlockMask`` and FlashAttention-4's ``BlockSparseTensorsTorch`` share.
 
     ``selected``, ``keep``: ``[..., topk]``. Returns int32 ``[...]`` counts and int32
     ``[..., Nk]`` indices: the kept tiles in ascending order, then filler.
@@ -473,6 +495,9 @@ def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -
                          f"{q.device}, {q.dtype}, V={q.shape[3]}, D={q.shape[4]}, "
                          f"requires_grad={any(t.requires_grad for t in (q, k, v))}. "
                          "Use backend='reference' or 'auto'.")
+    if backend == "fa4" and fa4_block_sparse_applies(q, k, v) is not None:
+        raise ValueError(f"backend='fa4': {fa4_block_sparse_applies(q, k, v)}. Use backend='triton', 'flex', "
+                         "'reference' or 'auto'.")
     if backend == "triton" and not triton_applies(q, k, v):
         raise ValueError(f"backend='triton': {triton_requirements(q, k, v)}. Use backend='reference', 'flex' "
                          "or 'auto'.")
