@@ -106,7 +106,7 @@ class SequenceParallelHandle:
     transport: str = "nccl"
     requested_kernel: str = "auto"
     _models: list = field(default_factory=list, repr=False)
-    # Issue 8: replicas x cfg x sp layout (see diffusers_sp.replicas / cfg_parallel / vae).
+    # Where this rank sits in the replicas x cfg x sp layout (diffusers_sp.replicas / cfg_parallel / vae).
     replica_index: int = 0
     num_replicas: int = 1
     cfg_rank: int = 0
@@ -589,8 +589,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         sizes = (f"sp {layout.sp_degree}" if layout.trivial else
                  f"{layout.num_replicas} replica(s) x cfg {layout.cfg_degree} x sp {layout.sp_degree} = "
                  f"{layout.num_replicas * layout.cfg_degree * layout.sp_degree} ranks")
-        logger.info("diffusers-sp: %s with %s, %s, transfers by %s%s", traits.name,
+        logger.info("diffusers-sp: %s with %s, %s, transfers by %s, attention kernel %s%s", traits.name,
                     resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", sizes, handle.transport,
+                    handle.attention_kernel,
                     f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")
     return handle
 
