@@ -20,7 +20,7 @@ Algorithm (``T`` tiles in raster order, ``C`` tile columns, ``P`` ranks):
    exactly as ``tiled_decode`` concatenates them.
 
 Memory per rank: its own ``T/P`` decoded tiles and one row of neighbour tiles instead of all ``T``
-tiles, plus the output; :func:`track_peak_memory` measures it (see the README for numbers).
+tiles, plus the output; :func:`track_peak_memory` measures it (docs/usage.md has numbers).
 
 Supported VAEs: :data:`SUPPORTED_VAES`. Decode goes through ``tiled_decode`` only when tiling is on
 and the latent is larger than one tile (the VAE's own rule); smaller latents are decoded whole on
