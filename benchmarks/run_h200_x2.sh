@@ -40,5 +40,5 @@ if [ "$PART" = checks ] || [ "$PART" = all ]; then
   step bench1_13b_vsa 120 torchrun --nproc-per-node 1 benchmarks/bench_transformer.py --cases 1.3b --no-compile \
     --no-stock-variants --no-diffusers-cp --no-sdpa-report --modes vsa --json "$OUT/bench1_13b_vsa.json"
 fi
-# Also: torchrun --nproc-per-node 2 benchmarks/ablate_comm.py (per-GPU speed, no-transfer ablation),
-#       torchrun --nproc-per-node 2 benchmarks/profile_step.py, benchmarks/bench_collectives.py.
+# Also: torchrun --nproc-per-node 2 benchmarks/profile_step.py (kernel time per category), and the
+#       scripts of benchmarks/experiments/ (see its README).

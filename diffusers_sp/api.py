@@ -417,7 +417,7 @@ def _resolve_transport(requested: str, mode: str, group: SPGroup, traits: Pipeli
     replicas), have not run on GPUs (CPU CI cannot run them). One exception: K/V-gather on a family
     whose K/V-first path is on (``kv_first``: Wan with ``overlap_query_projection=True``) takes NCCL,
     whose all-gather then runs under the query projection as well: in ten same-run pairs on 2 H200s
-    (runs 2026-11-30e and 2026-12-01) NCCL was faster in seven, by 1.3 ms per step on average (from 2.9 ms
+    (benchmarks/RESULTS.md) NCCL was faster in seven, by 1.3 ms per step on average (from 2.9 ms
     slower to 4.8 ms faster), and needs no symmetric buffer (0.19 GiB less per rank at the 1.3B
     shape, 0.71 GiB at 14B). Ulysses with joint text (Flux, SD3, CogVideoX, HunyuanVideo, Mochi,
     QwenImage) always runs on NCCL: its text rows travel in the same all-to-all. ``"copy_engine"``

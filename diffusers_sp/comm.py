@@ -16,8 +16,8 @@ import torch.distributed._functional_collectives as funcol
 
 from .groups import SPGroup
 
-# `all_gather_single` replaced `all_gather_tensor` (same arguments) in torch 2.13; the GPU machines
-# run 2.11, which has only the old name.
+# `all_gather_single` replaced `all_gather_tensor` (same arguments) in torch 2.13; earlier
+# releases have only `all_gather_tensor`.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 

@@ -62,7 +62,7 @@ TRANSPORTS = ("auto", "nccl", "copy_engine")
 
 
 #: Head groups when ``overlap_head_groups="auto"``. Measured on 2 H200s with the push transport
-#: (benchmarks/RESULTS.md, run 2026-11-30d): on the Wan 1.3B shape 3, 4 and 6 groups were neither
+#: (benchmarks/RESULTS.md): on the Wan 1.3B shape 3, 4 and 6 groups were neither
 #: consistently faster nor slower than 2 (from 7.0 ms faster to 3.8 ms slower per step, while 2 groups
 #: alone moved 4.9 ms between runs); at 14B, Ulysses with 3 groups and K/V-gather with 6 were 1.2 and
 #: 3.2 ms slower than 2.

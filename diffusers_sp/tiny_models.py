@@ -154,7 +154,7 @@ def save_tiny_pipeline(path: str | os.PathLike, build) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tiny transformers of the other supported families (issue 3). Sizes follow Diffusers' own unit
+# Tiny transformers of the other supported families. Sizes follow Diffusers' own unit
 # tests; head counts are chosen so that Ulysses splits heads unevenly at 2 or 3 ranks.
 # ---------------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ Algorithm (``T`` tiles in raster order, ``C`` tile columns, ``P`` ranks):
    exactly as ``tiled_decode`` concatenates them.
 
 Memory per rank: its own ``T/P`` decoded tiles and one row of neighbour tiles instead of all ``T``
-tiles, plus the output; :func:`track_peak_memory` measures it (see the README for numbers).
+tiles, plus the output; :func:`track_peak_memory` measures it (docs/usage.md has numbers).
 
 Supported VAEs: :data:`SUPPORTED_VAES`. Decode goes through ``tiled_decode`` only when tiling is on
 and the latent is larger than one tile (the VAE's own rule); smaller latents are decoded whole on
@@ -64,14 +64,32 @@ def parallel_tiles(vae, row_starts, col_starts, decode_tile, blend_height: int, 
     """
     n_cols = len(col_starts)
     n = len(row_starts) * n_cols
-    P, r = group.world_size, group.rank
-    sizes = balanced_sizes(n, P)
-    start = sum(sizes[:r])
-    stop = start + sizes[r]
-    state: dict[int, torch.Tensor] = {}
-    for t in range(start, stop):
-        state[t] = decode_tile(row_starts[t // n_cols], col_starts[t % n_cols])
+    sizes = balanced_sizes(n, group.world_size)
+    start = sum(sizes[:group.rank])
+    stop = start + sizes[group.rank]
+    state = {t: decode_tile(row_starts[t // n_cols], col_starts[t % n_cols]) for t in range(start, stop)}
+    shapes, dtype, device = _tile_shapes(state, start, stop, group)
+    _blend_chain(vae, state, shapes, dtype, device, n_cols, sizes, start, stop, blend_height, blend_width, group)
 
+    def cropped_shape(shape):
+        return shape[:3] + (min(shape[3], crop_height), min(shape[4], crop_width))
+
+    flat = _share_cropped(state, [cropped_shape(shapes[t]) for t in range(n)], dtype, device, sizes, start, stop,
+                          group)
+    return _assemble(flat, [cropped_shape(shapes[t]) for t in range(n)], len(row_starts), n_cols, dtype, device)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _tile_shapes(state: dict, start: int, stop: int, group: SPGroup):
+    """Every tile's shape (all ranks' tiles, by index), the tiles' dtype and the device the exchange
+    uses: ``(shapes, dtype, device)``. One ``all_gather_object`` over ``group`` when it has several ranks."""
+    P = group.world_size
     if P > 1:
         info = [None] * P
         dist.all_gather_object(info, [(t, tuple(state[t].shape), str(state[t].dtype)) for t in range(start, stop)],
@@ -84,26 +102,33 @@ def parallel_tiles(vae, row_starts, col_starts, decode_tile, blend_height: int, 
     device = next(iter(state.values())).device if state else torch.device("cpu")
     if group.backend and "nccl" in group.backend and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
+    return shapes, dtype, device
 
-    def numel(shape):
-        out = 1
-        for s in shape:
-            out *= s
-        return out
+
+def _blend_chain(vae, state: dict, shapes: dict, dtype, device, n_cols: int, sizes: list, start: int, stop: int,
+                 blend_height: int, blend_width: int, group: SPGroup) -> None:
+    """Blends this rank's tiles in place, in ``tiled_decode``'s order.
+
+    A tile blends with the already blended tiles above and to its left, so the chain runs rank by
+    rank: this rank first receives the last ``n_cols`` blended tiles before its own from the previous
+    rank, blends its range, and sends its last ``n_cols`` blended tiles to the next rank. Afterwards
+    ``state`` holds this rank's tiles only.
+    """
+    P, r = group.world_size, group.rank
 
     def window(end: int) -> range:
         return range(max(0, end - n_cols), end)
 
-    if r > 0 and sizes[r] > 0:  # blended tiles before ours, from the previous rank
+    if r > 0 and sizes[r] > 0:
         win = window(start)
-        buf = torch.empty(sum(numel(shapes[t]) for t in win), dtype=dtype, device=device)
+        buf = torch.empty(sum(_numel(shapes[t]) for t in win), dtype=dtype, device=device)
         dist.recv(buf, src=dist.get_global_rank(group.group, r - 1), group=group.group)
         offset = 0
         for t in win:
-            k = numel(shapes[t])
+            k = _numel(shapes[t])
             state[t] = buf[offset:offset + k].view(shapes[t])
             offset += k
-    for t in range(start, stop):  # the blending of tiled_decode, in its order
+    for t in range(start, stop):
         i, j = divmod(t, n_cols)
         tile = state[t]
         if i > 0:
@@ -119,42 +144,47 @@ def parallel_tiles(vae, row_starts, col_starts, decode_tile, blend_height: int, 
         if not start <= t < stop:
             del state[t]
 
-    def cropped_shape(shape):
-        return shape[:3] + (min(shape[3], crop_height), min(shape[4], crop_width))
 
-    # Every cropped tile into one flat buffer of the exact total size (rank k's tiles at its offset),
-    # filled by one broadcast per rank: no padding, no extra copy.
+def _share_cropped(state: dict, cropped: list, dtype, device, sizes: list, start: int, stop: int,
+                   group: SPGroup) -> torch.Tensor:
+    """Every cropped tile, in tile order, in one flat buffer of the exact total size, the same on every
+    rank: this rank copies its tiles in at its offset, then one broadcast per rank fills the rest (no
+    padding, no extra copy). Empties ``state``."""
+    P = group.world_size
     counts, owner_start = [], 0
     for k in range(P):
-        counts.append(sum(numel(cropped_shape(shapes[t])) for t in range(owner_start, owner_start + sizes[k])))
+        counts.append(sum(_numel(cropped[t]) for t in range(owner_start, owner_start + sizes[k])))
         owner_start += sizes[k]
     offsets = [sum(counts[:k]) for k in range(P)]
     flat = torch.empty(sum(counts), dtype=dtype, device=device)
-    offset = offsets[r]
+    offset = offsets[group.rank]
     for t in range(start, stop):
-        shape = cropped_shape(shapes[t])
-        flat[offset:offset + numel(shape)].view(shape).copy_(state[t][:, :, :, :crop_height, :crop_width])
-        offset += numel(shape)
-    state.clear()  # the decoded tiles are no longer needed
+        shape = cropped[t]
+        flat[offset:offset + _numel(shape)].view(shape).copy_(state[t][:, :, :, :shape[3], :shape[4]])
+        offset += _numel(shape)
+    state.clear()  # the decoded tiles are not needed any more
     for k in range(P):
         if P > 1 and counts[k]:
             dist.broadcast(flat[offsets[k]:offsets[k] + counts[k]], src=dist.get_global_rank(group.group, k),
                            group=group.group)
-    # torch.cat(result_rows, dim=3) of torch.cat(row, dim=-1), as a copy of each tile into place.
-    n_rows = len(row_starts)
-    tile_shapes = [cropped_shape(shapes[t]) for t in range(n)]
-    height = sum(tile_shapes[i * n_cols][3] for i in range(n_rows))
-    width = sum(tile_shapes[j][4] for j in range(n_cols))
-    out = torch.empty(tile_shapes[0][:3] + (height, width), dtype=dtype, device=device)
+    return flat
+
+
+def _assemble(flat: torch.Tensor, cropped: list, n_rows: int, n_cols: int, dtype, device) -> torch.Tensor:
+    """``torch.cat(result_rows, dim=3)`` of ``torch.cat(row, dim=-1)``, as one copy of each tile of
+    ``flat`` (tile order) into place: ``[B, C, F, H, W]``."""
+    height = sum(cropped[i * n_cols][3] for i in range(n_rows))
+    width = sum(cropped[j][4] for j in range(n_cols))
+    out = torch.empty(cropped[0][:3] + (height, width), dtype=dtype, device=device)
     offset, y = 0, 0
     for i in range(n_rows):
         x = 0
         for j in range(n_cols):
-            shape = tile_shapes[i * n_cols + j]
-            out[:, :, :, y:y + shape[3], x:x + shape[4]].copy_(flat[offset:offset + numel(shape)].view(shape))
-            offset += numel(shape)
+            shape = cropped[i * n_cols + j]
+            out[:, :, :, y:y + shape[3], x:x + shape[4]].copy_(flat[offset:offset + _numel(shape)].view(shape))
+            offset += _numel(shape)
             x += shape[4]
-        y += tile_shapes[i * n_cols][3]
+        y += cropped[i * n_cols][3]
     return out
 
 

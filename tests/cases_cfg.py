@@ -1,4 +1,4 @@
-"""Cases of issue 8 (CFG parallelism, replicas, parallel VAE decode), run on every rank at world sizes 2 and 4.
+"""Cases of CFG parallelism, replicas and the parallel VAE decode, run on every rank at world sizes 2 and 4.
 
 Used by tests/test_cfg_parallel.py, tests/test_replicas.py and tests/test_vae_parallel.py, which share
 one spawn per world size through :func:`results` (see tests/distributed.py).
@@ -259,8 +259,8 @@ def case_vae_other_families():
 
 
 def case_layout_disagrees():
-    """Ranks asking for different layouts (they hung in the sub-group creation
-    or ran unsplit): at world size 2 rank 0 passes cfg_parallel=True and rank 1 False; at 4 ranks 0-1
+    """Ranks asking for different layouts (which would hang in the sub-group creation or run
+    unsplit): at world size 2 rank 0 passes cfg_parallel=True and rank 1 False; at 4 ranks 0-1
     pass sp_degree=2 and ranks 2-3 sp_degree=1. Every rank must raise the same error, before the
     sub-groups are built."""
     from distributed import error_of
@@ -284,7 +284,7 @@ def case_group_usable_after():
     return x.item()
 
 
-# ------------------------------------------------ caches with CFG parallelism and replicas (issue 20)
+# ------------------------------------------------ caches with CFG parallelism and replicas
 # First Block Cache decides from a statistic over the tokens; with CFG parallelism it must be taken
 # over the ranks that compute one call of one process: the SP group of a CFG group (two calls per
 # step: each group keeps the cache state of its own pass, "cond" or "uncond"), or the whole replica

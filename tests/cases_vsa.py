@@ -143,8 +143,9 @@ def case_vsa_plan_first_made_under_inference_mode():
 
 
 def case_error_gate_file_on_one_rank_only():
-    """A vsa_gate_weights file that only rank 0 can read (a path on one host's disk): the other ranks
-    raised alone and rank 0 waited in the enable-time check until the timeout. The outcome of reading is now compared with the options, so every rank raises."""
+    """A vsa_gate_weights file that only rank 0 can read (a path on one host's disk): whether each rank
+    could read it is compared with the options, so every rank raises the same error instead of the
+    others raising alone while rank 0 waits in the enable-time check."""
     import os
     import tempfile
 

@@ -132,3 +132,30 @@ def test_cache_benchmark_smoke(tmp_path):
     assert 0 < cached < 6 and rows["ours kv_gather, first block cache"]["steps_computed"] == cached, rows
     for label in ("ours kv_gather, no cache", "ours kv_gather, first block cache"):
         assert rows[label]["rel_err"] <= TOL, rows[label]
+
+
+def test_plot_speedup_table_from_results(tmp_path):
+    """benchmarks/plot_speedup.py reads the stored H200 results: one run per shape and GPU count, every
+    plotted row a same-run ratio against the stock row; the PNG is written where matplotlib is installed."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import plot_speedup
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    chosen = plot_speedup.select(plot_speedup.load_runs(REPO / "benchmarks" / "results"))
+    assert "NVIDIA H200" in chosen
+    by_case = chosen["NVIDIA H200"]
+    assert set(by_case) >= {"1.3b", "14b"} and all(2 in by_case[c] for c in ("1.3b", "14b"))
+    for case in ("1.3b", "14b"):
+        run = by_case[case][2]
+        assert run.speedup[plot_speedup.STOCK] == 1.0
+        for name, _ in plot_speedup.ROWS:
+            assert math.isclose(run.speedup[name], run.ms[plot_speedup.STOCK] / run.ms[name])
+    table = plot_speedup.markdown_table("NVIDIA H200", by_case)
+    assert "diffusers-sp K/V-gather" in table and "Diffusers CP Ulysses (cuDNN)" in table
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert plot_speedup.main(["--out", str(tmp_path / "speedup.png")]) == 0
+    assert (tmp_path / "speedup.png").stat().st_size > 10_000

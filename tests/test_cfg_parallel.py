@@ -1,4 +1,4 @@
-"""CFG parallelism (issue 8) against one process, CPU/gloo: world size 2 (cfg 2 x sp 1) and 4 (cfg 2 x sp 2).
+"""CFG parallelism against one process, CPU/gloo: world size 2 (cfg 2 x sp 1) and 4 (cfg 2 x sp 2).
 
 Two-call pipelines (Wan) must be bit for bit equal at cfg 2 x sp 1; at cfg 2 x sp 2 sequence
 parallelism inside each CFG group allows the usual float tolerance (TOL; on CPU they are bitwise

@@ -1,5 +1,5 @@
 """Sequence parallelism together with Diffusers' caches, CPU offloading, quantization, layerwise casting,
-LoRA and IP-Adapter (issue 20), CPU/gloo, against one process with the same setting.
+LoRA and IP-Adapter, CPU/gloo, against one process with the same setting.
 
 The distributed cases run in one spawn per world size: tests/cases_combine.py at world sizes 2 and 3
 (token counts 175 and 35 divide neither), the caches with CFG parallelism and replicas in

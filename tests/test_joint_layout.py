@@ -362,8 +362,8 @@ def test_vsa_refusals_name_the_reason():
 
 
 def test_attach_refuses_a_hook_that_replaces_forward():
-    """A family hook overriding new_forward was skipped without a word once hooks became torch module
-    hooks (which run around forward, never instead of it): attaching one is a TypeError now."""
+    """A family hook overriding new_forward cannot run as a torch module hook (those run around forward,
+    never instead of it), so attaching one is a TypeError rather than a hook silently skipped."""
     from diffusers.hooks import ModelHook
 
     from diffusers_sp.sharding import attach

@@ -1,4 +1,5 @@
-"""Combinations found by adversarial testing: each must fail clearly (or choose well), never desync ranks."""
+"""Misuse: unusual combinations of options, launches and models. Each must fail clearly (or choose well),
+and never leave the ranks out of step."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Replicas (issue 8): 4 ranks with sp_degree=2 form 2 replicas; three prompts are spread over them.
+"""Replicas: 4 ranks with sp_degree=2 form 2 replicas; three prompts are spread over them.
 
 Each prompt's output is produced exactly once (by its replica's output rank) and equals the
 single-process result for that prompt. Runs inside the world-size-4 spawn of tests/cases_cfg.py.

@@ -1,4 +1,4 @@
-"""Parallel VAE decode (issue 8): a tiny Wan VAE's tiles shared over 2 and 4 ranks equal the
+"""Parallel VAE decode: a tiny Wan VAE's tiles shared over 2 and 4 ranks equal the
 single-process tiled decode bit for bit (float32, CPU), and each rank's peak tensor memory is lower.
 
 Peak memory is measured with diffusers_sp.vae.track_peak_memory (live tensor storage allocated

@@ -7,7 +7,7 @@ computed from ``cat(txt_ids, img_ids)``; splitting ``img_ids`` at the model inpu
 exactly ``[text; this rank's image tokens]``.
 
 Sharding plan: derived from the model's Diffusers ``_cp_plan`` by dropping its text entries
-(``encoder_hidden_states`` and ``txt_ids``, which Diffusers shards and we keep replicated): split
+(``encoder_hidden_states`` and ``txt_ids``, which Diffusers shards and diffusers-sp keeps replicated): split
 ``hidden_states`` (``[B, S, C]``, dim 1) and ``img_ids`` (``[S, 3]``, dim 0) at the model input,
 gather ``proj_out``. Guidance, timestep and pooled projections stay whole. Diffusers still accepts
 the deprecated ``[B, S, 3]`` ids (its forward takes ``ids[0]``): such ``img_ids`` are split along

@@ -5,8 +5,8 @@ Self-attention (``attn1``) runs over the video tokens only; the text enters thro
 communication and is left alone: each rank's video rows attend to the whole, replicated text.
 
 Sharding plan: derived from the model's Diffusers ``_cp_plan`` by dropping its text entries
-(``encoder_hidden_states`` and ``encoder_attention_mask``, which Diffusers shards and we keep
-replicated): split ``hidden_states`` (``[B, S, C]``, dim 1) at the model input and the RoPE tables
+(``encoder_hidden_states`` and ``encoder_attention_mask``, which Diffusers shards and
+diffusers-sp keeps replicated): split ``hidden_states`` (``[B, S, C]``, dim 1) at the model input and the RoPE tables
 ``rope`` returns (``[B, S, D]``, dim 1); gather ``proj_out``. The image-to-video and condition
 pipelines pass one timestep per token (``timestep`` ``[B, S]``: the conditioning frames' tokens
 keep timestep 0; Diffusers 0.42's ``LTXI2VLongMultiPromptPipeline`` passes it as ``[B, S, 1]``,

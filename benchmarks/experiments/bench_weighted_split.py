@@ -2,7 +2,7 @@
 """Would token shards weighted by each GPU's pace beat even shards? A what-if experiment.
 
 With even shards the two-GPU step runs at the slower GPU's pace (every layer waits for it), and the
-lent H200 pairs differ by 0.2-2.7 % in stock speed (``ablate_comm.py``). This measures, on the
+lent H200 pairs differ by 0.2-2.7 % in stock speed (``experiments/ablate_comm.py``). This measures, on the
 Wan-shaped models of ``bench_transformer.py``:
 
 * ``stock, rank r alone``: each GPU's pace (the unsplit model, the other GPU idle);
@@ -15,7 +15,7 @@ The weighted split is made by replacing ``diffusers_sp.sharding.balanced_sizes``
 of the sharding hooks and the processors; Ulysses' head split has its own reference and stays even)
 for the weighted rows only. Every split gives the same output; this only times.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_weighted_split.py --cases 1.3b [--json PATH]
+    torchrun --nproc-per-node 2 benchmarks/experiments/bench_weighted_split.py --cases 1.3b [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 import bench_transformer as bt  # noqa: E402  (same models, inputs and process setup)
 
 

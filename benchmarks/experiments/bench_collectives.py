@@ -2,8 +2,8 @@
 """Bandwidth of the two collectives diffusers-sp uses, alone: all-gather (K/V-gather) and all-to-all
 (Ulysses), bf16 on NCCL, at the per-layer payloads of the Wan2.1 1.3B and 14B shapes on 2 GPUs.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_collectives.py
-    NCCL_PROTO=Simple torchrun --nproc-per-node 2 benchmarks/bench_collectives.py   # NCCL variants
+    torchrun --nproc-per-node 2 benchmarks/experiments/bench_collectives.py
+    NCCL_PROTO=Simple torchrun --nproc-per-node 2 benchmarks/experiments/bench_collectives.py   # NCCL variants
 
 Prints, on rank 0, the median over 10 calls (CUDA events, 3 warm-up calls) of
 ``dist.all_gather_into_tensor`` and ``dist.all_to_all_single`` for 50 MB and 387 MB per rank (one
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from bench_vsa_kernel import time_ms  # noqa: E402  (median of CUDA-event timings after warm-up)
 
 PAYLOADS_MB = (50, 387)

@@ -7,7 +7,7 @@ local kernels that read it, on the same data layout, from such a buffer and from
 cuDNN attention over token-major ``[S, B, H, D]`` views (one K/V-gather head group of the Wan 14B
 shape: 20 heads, 37800 queries over 75600 keys) and a ``[37800, 5120] x [5120, 5120]`` GEMM.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_symm_read.py
+    torchrun --nproc-per-node 2 benchmarks/experiments/bench_symm_read.py
 
 Prints, per rank, the best of three rounds in ms per call (CUDA events around back-to-back calls).
 """

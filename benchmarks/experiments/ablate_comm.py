@@ -12,7 +12,7 @@ Separates the three things between "half of one GPU" and the measured two-GPU st
   output all-gather at ``proj_out`` still runs): the compute of a split step;
 * ``ours kv_gather`` with each transport: the real step.
 
-    torchrun --nproc-per-node 2 benchmarks/ablate_comm.py --cases 1.3b
+    torchrun --nproc-per-node 2 benchmarks/experiments/ablate_comm.py --cases 1.3b
 
 Times are medians of CUDA events per rank (ms per step); stdout and ``--json``.
 """
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 import bench_transformer as bt  # noqa: E402  (same models, inputs and process setup)
 from profile_step import kernel_ms  # noqa: E402
 

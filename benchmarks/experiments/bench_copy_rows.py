@@ -11,7 +11,7 @@ two 2-D copy-engine pushes on a side stream, and with the same pushes as SM copi
 call ``[1, 6, 32760, 128]`` alone and with four pushes. Last, the host time of one ``copy_rows``
 call. Times are CUDA-event means (µs); GB/s counts the bytes moved once.
 
-    python benchmarks/bench_copy_rows.py
+    python benchmarks/experiments/bench_copy_rows.py
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 from diffusers_sp.copy_engine import copy_rows  # noqa: E402
 
 S, H, D = 16380, 12, 128
