@@ -26,7 +26,7 @@ Rows per case:
 * ``stock (native), every GPU at once`` (more than one rank): the unmodified model on every GPU at
   the same time; its note lists each GPU's time, its ``ms`` is the slowest. A split step waits for
   the slower GPU at every layer, so this row shows how much of a ratio below 2x (or above) is the
-  GPUs' own pace difference (the lent H200 pairs differed by 0.1-2.7 %, ``ablate_comm.py``).
+  GPUs' own pace difference (the lent H200 pairs differed by 0.1-2.7 %, ``experiments/ablate_comm.py``).
 * ``stock (fa4)``: the same with Diffusers' ``flash_4_hub`` attention backend served by the
   FlashAttention-4 installed here (every attention call, self and cross; only where FA4 is installed).
 * ``stock (native) + compile``: the same under ``torch.compile``.

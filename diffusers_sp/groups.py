@@ -32,6 +32,22 @@ from .validation import SequenceParallelConfigError
 TIMEOUT_ENV = "DIFFUSERS_SP_TIMEOUT_S"
 
 
+
+def backend_name(process_group=None) -> str:
+    """The collective backend of a process group (None: the default group): ``"nccl"``, ``"gloo"``, ...
+
+    A group initialised with a per-device backend list (Accelerate's ``PartialState()`` on CPU makes
+    ``"cpu:gloo"``) reports ``"undefined"`` or the list itself through ``dist.get_backend``; its backend
+    names are then read
+    from ``dist.get_backend_config`` and joined with ``"+"`` when there are several (``"gloo+nccl"``).
+    """
+    name = dist.get_backend(process_group)
+    if name and name != "undefined" and ":" not in name:
+        return name
+    config = dist.get_backend_config(process_group)
+    names = list(dict.fromkeys(part.split(":")[-1] for part in config.split(",") if part))
+    return "+".join(names) or str(name)
+
 @dataclass(frozen=True)
 class SPGroup:
     """The ranks that share one sequence.
@@ -122,7 +138,7 @@ def resolve_group(process_group=None) -> SPGroup:
     """
     world = world_size_for(process_group)
     if process_group is not None:
-        return SPGroup(process_group.group_name, dist.get_rank(process_group), world, dist.get_backend(process_group))
+        return SPGroup(process_group.group_name, dist.get_rank(process_group), world, backend_name(process_group))
     if world == 1 and not (dist.is_available() and dist.is_initialized()):
         return SPGroup(None, 0, 1, None)
     if not dist.is_initialized():
@@ -141,7 +157,7 @@ def resolve_group(process_group=None) -> SPGroup:
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
         PartialState(cpu=cpu, timeout=timeout)
     _end_at_exit()
-    return SPGroup(dist.group.WORLD.group_name, dist.get_rank(), dist.get_world_size(), dist.get_backend())
+    return SPGroup(dist.group.WORLD.group_name, dist.get_rank(), dist.get_world_size(), backend_name(None))
 
 
 _AT_EXIT: list = []
@@ -185,7 +201,7 @@ def destroy_process_groups(*, barrier: bool = False) -> None:
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """The groups of a ``replicas x cfg x sp`` launch (issue 8), cut from one torch ``DeviceMesh``.
+    """The groups of a ``replicas x cfg x sp`` launch, cut from one torch ``DeviceMesh``.
 
     Global rank ``g = (replica * cfg_degree + cfg_rank) * sp_degree + sp_rank``: the ranks of one
     sequence-parallel group are consecutive, the two CFG groups of a replica sit next to each other.

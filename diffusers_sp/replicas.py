@@ -1,4 +1,4 @@
-"""How the ranks of a launch are laid out: ``replicas x cfg x sp`` (issue 8).
+"""How the ranks of a launch are laid out: ``replicas x cfg x sp``.
 
 ``world_size = num_replicas * cfg_degree * sp_degree``:
 

@@ -310,3 +310,17 @@ def case_group_usable_after_errors():
     dist.all_reduce(x)
     out = case_transformer_t2v()
     return {"sum": x.item(), "forward": out}
+
+
+def case_backend_of_a_device_list_group():
+    """A group made with a per-device backend list (what Accelerate's PartialState() makes on CPU) reports
+    "undefined" through dist.get_backend; the handle's transport must still name gloo."""
+    from diffusers_sp.groups import backend_name
+
+    group = dist.new_group(backend="cpu:gloo")
+    model = tiny_wan_transformer()
+    handle = enable_sequence_parallel(model, mode="kv_gather", process_group=group)
+    try:
+        return {"torch_says": dist.get_backend(group), "ours": backend_name(group), "transport": handle.transport}
+    finally:
+        handle.disable()

@@ -203,3 +203,8 @@ def test_kv_first_declines_what_it_does_not_cover():
         out = model(**kwargs).sample
         handle.disable()
     assert torch.equal(out, ref)
+
+
+def test_backend_of_a_device_list_group(results):
+    for v in values(results[1], "backend_of_a_device_list_group"):
+        assert v["ours"] == "gloo" and v["transport"] == "gloo", v
