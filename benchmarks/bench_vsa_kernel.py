@@ -169,6 +169,12 @@ def main() -> int:
     def fa4_fine_stage_only():
         return fa4.fa4_block_sparse_fine_stage(qt, kt, vt, selected, block_sizes, scale)
 
+    def fa4_whole_tiles_bound():
+        # Every selected key tile passed as a full block (padded slots attended: not VSA's result). Bounds
+        # what the FA4 path would cost if the partial edge tiles needed no mask_mod.
+        whole = torch.full_like(block_sizes, layout.tile_volume)
+        return fa4.fa4_block_sparse_fine_stage(qt, kt, vt, selected, whole, scale)
+
     cases = {
         "dense_sdpa_cudnn": lambda: dense(SDPBackend.CUDNN_ATTENTION),
         "dense_sdpa_flash": lambda: dense(SDPBackend.FLASH_ATTENTION),
@@ -190,6 +196,7 @@ def main() -> int:
             "vsa_random_gate_end_to_end_fa4": lambda: vsa_end_to_end(with_gate=True, backend="fa4"),
             "vsa_zero_gate_kernel_fa4": lambda: vsa_tiled(qt, kt, vt, None, args.sparsity, "fa4"),
             "fine_stage_only_fa4": fa4_fine_stage_only,
+            "bound_fa4_all_blocks_full": fa4_whole_tiles_bound,
         })
     cases["fine_stage_only_triton_plain_s2"] = lambda: triton_fine_stage_only({"tma": False, "num_stages": 2})
     if args.sweep:
