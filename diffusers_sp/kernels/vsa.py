@@ -45,7 +45,8 @@ from .vsa_triton import fine_stage_triton, triton_applies, triton_requirements
 BACKENDS = ("auto", "reference", "flex", "triton", "fa4")
 # The order in which backend="auto" tries the fine-stage kernels (the first that applies runs), fastest
 # first as measured at the Wan2.1-1.3B shape on an H200 (sparsity 0.9, bf16; benchmarks/RESULTS.md):
-# Triton 2.54 ms, flex 3.16 ms, FA4 block-sparse 3.61 ms (its partial edge tiles need the mask_mod path).
+# Triton 2.53-2.54 ms, flex 3.07-3.16 ms, FA4 block-sparse 3.61-3.69 ms (3.32 ms even with every block
+# passed as full, so at 64 x 64 blocks FA4's block-sparse forward is the slower kernel here).
 AUTO_ORDER = ("triton", "flex", "fa4", "reference")
 _FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
