@@ -14,9 +14,9 @@ B200 = (10, 0)
 
 
 def _choose(requested="auto", device_type="cuda", capability=H200, dtype=BF16, head_dim=128, mask=None,
-            fa4_installed=True, legacy_flash=None):
+            fa4_installed=True, legacy_flash=None, compiling=False):
     return choose_kernel(requested, device_type=device_type, capability=capability, dtype=dtype, head_dim=head_dim,
-                         mask=mask, fa4_installed=fa4_installed, legacy_flash=legacy_flash)
+                         mask=mask, fa4_installed=fa4_installed, legacy_flash=legacy_flash, compiling=compiling)
 
 
 @pytest.mark.parametrize("kwargs,name", [
@@ -42,6 +42,8 @@ def _choose(requested="auto", device_type="cuda", capability=H200, dtype=BF16, h
     ({"fa4_installed": False, "legacy_flash": "flash_attn_2", "requested": "flash_attn"}, "flash_attn_2"),
     ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "mask": "key_padding"}, "sdpa"),
     ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "dtype": F32}, "sdpa"),
+    ({"compiling": True}, "sdpa"),                          # CuTe DSL kernels do not trace
+    ({"compiling": True, "fa4_installed": False, "legacy_flash": "flash_attn_3"}, "sdpa"),
 ])
 def test_kernel_choice(kwargs, name):
     assert _choose(**kwargs).name == name
@@ -55,6 +57,7 @@ def test_kernel_choice(kwargs, name):
     ({"head_dim": 76}, "multiple of 8"),
     ({"capability": B200, "head_dim": 192}, "outside"),
     ({"mask": "other"}, "key padding"),
+    ({"compiling": True}, "torch.compile"),
 ])
 def test_fallback_says_why(kwargs, words):
     choice = _choose(requested="flash_attn", **kwargs)

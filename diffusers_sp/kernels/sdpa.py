@@ -69,7 +69,8 @@ def _legacy_flash_attn():
 
 @functools.lru_cache(maxsize=None)
 def choose_kernel(requested: str, *, device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype,
-                  head_dim: int, mask: str | None, fa4_installed: bool, legacy_flash: str | None) -> KernelChoice:
+                  head_dim: int, mask: str | None, fa4_installed: bool, legacy_flash: str | None,
+                  compiling: bool = False) -> KernelChoice:
     """Which kernel runs an attention call (pure: no device or import is touched).
 
     Args:
@@ -84,6 +85,8 @@ def choose_kernel(requested: str, *, device_type: str, capability: tuple[int, in
             :func:`diffusers_sp.kernels.fa4.key_padding_rows`) or ``"other"``.
         fa4_installed: Whether ``flash_attn.cute`` imports.
         legacy_flash: ``"flash_attn_3"`` / ``"flash_attn_2"`` when that package is installed, else None.
+        compiling: Whether the call is being traced by ``torch.compile``: FA4's CuTe DSL kernels compile
+            themselves at the first call and do not trace, so compiled regions run SDPA.
 
     Returns:
         The :class:`KernelChoice`.
@@ -96,11 +99,13 @@ def choose_kernel(requested: str, *, device_type: str, capability: tuple[int, in
     if requested == "sdpa":
         return KernelChoice("sdpa")
     reason = fa4.fa4_unsupported_reason(device_type, capability, dtype, head_dim, installed=fa4_installed)
+    if reason is None and compiling:
+        reason = "inside torch.compile, where FlashAttention-4's CuTe DSL kernels do not trace"
     if reason is None and mask == "other":
         reason = "the mask is not a boolean key padding mask (FlashAttention-4 takes those through varlen)"
     if reason is None:
         return KernelChoice("flash_attn_4", "key padding mask through FA4's varlen entry" if mask else "")
-    legacy_fits = (legacy_flash is not None and mask is None and device_type == "cuda"
+    legacy_fits = (legacy_flash is not None and mask is None and device_type == "cuda" and not compiling
                    and dtype in fa4.FA4_DTYPES and head_dim <= 256 and head_dim % 8 == 0)
     if legacy_fits and (requested == "flash_attn" or legacy_flash == "flash_attn_3"
                         or (capability is not None and capability[0] < 9)):
@@ -122,7 +127,8 @@ def kernel_for(q: torch.Tensor, attn_mask: torch.Tensor | None, requested: str) 
     num_keys = attn_mask.shape[-1] if attn_mask is not None else 0
     return choose_kernel(requested, device_type=q.device.type, capability=fa4.device_capability(q.device),
                          dtype=q.dtype, head_dim=q.shape[-1], mask=mask_kind(attn_mask, q.shape[0], num_keys),
-                         fa4_installed=fa4.fa4_installed(), legacy_flash=None if legacy is None else legacy[1])
+                         fa4_installed=fa4.fa4_installed(), legacy_flash=None if legacy is None else legacy[1],
+                         compiling=torch.compiler.is_compiling())
 
 
 @functools.lru_cache(maxsize=None)
