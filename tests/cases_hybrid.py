@@ -1,8 +1,8 @@
 """Cases run on every rank by tests/test_hybrid.py: hybrid sequence parallelism (Ulysses inside groups
 of U ranks, K/V-gather across them) against one process, float32, CPU/gloo.
 
-World sizes 4 (2 x 2) and 6 (2 x 3 and 3 x 2; 6 x 1 and 1 x 6 too), and 8 for CFG parallelism and
-replicas around a 2 x 2 mesh. Token counts: 175 (Wan, 5 x 5 x 7) and 35 (the family configs), which
+World sizes 4 (2 x 2; inside the spawn of tests/cases_cfg.py) and 6 (2 x 3 and 3 x 2; 6 x 1 and 1 x 6
+too), and 8 for CFG parallelism and replicas around a 2 x 2 mesh. Token counts: 175 (Wan, 5 x 5 x 7) and 35 (the family configs), which
 divide none of 2, 3, 4, 6, 8. Every case compares with the same process's own single-process output
 on the same inputs.
 """
@@ -22,6 +22,23 @@ from diffusers_sp.tiny_models import tiny_wan_pipeline, tiny_wan_transformer
 import families
 from cases_wan import CALL, _count_kv_first, _inputs
 from distributed import compare, error_of
+
+
+#: Cases that need CFG groups or replicas of at least 2 x 2 ranks (1 x 2 at world 4, 2 x 2 at world 8).
+LAYOUT_CASES = ("cfg_hybrid", "replicas_hybrid")
+
+
+def cases_at(world_size: int) -> list[str]:
+    """The cases that run at ``world_size`` (4 and 6; 8 runs only :data:`LAYOUT_CASES`). World 4 runs
+    inside the spawn of tests/cases_cfg.py (``cases_cfg.results``)."""
+    import sys
+
+    from distributed import case_names
+
+    names = case_names(sys.modules[__name__])
+    if world_size == 8:
+        return list(LAYOUT_CASES)
+    return [n for n in names if n not in LAYOUT_CASES or world_size == 4]
 
 
 def _world() -> int:

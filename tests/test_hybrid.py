@@ -3,9 +3,10 @@ process (float32, CPU/gloo): world sizes 4 (2 x 2) and 6 (2 x 3, 3 x 2), CFG par
 around the mesh; ``mode="auto"``'s choice on emulated topologies, with processes and without. The
 cases are in tests/cases_hybrid.py, one spawn per world size.
 
-World size 8 (cfg 2 x kv_gather 2 x ulysses 2, and 2 replicas x 2 x 2) takes about 3 minutes on 2 CPU
-cores, so it runs only with ``DIFFUSERS_SP_TEST_8_RANKS=1``; at world size 4 the same cases run CFG
-parallelism and replicas around a 1 x 2 mesh.
+World size 4 shares the spawn of tests/cases_cfg.py (its processes start once for both); world size 6
+has its own. World size 8 (cfg 2 x kv_gather 2 x ulysses 2, and 2 replicas x 2 x 2) takes about 3
+minutes on 2 CPU cores, so it runs only with ``DIFFUSERS_SP_TEST_8_RANKS=1``; at world size 4 the same
+cases run CFG parallelism and replicas around a 1 x 2 mesh.
 """
 
 from __future__ import annotations
@@ -20,21 +21,21 @@ from diffusers_sp.validation import choose_auto_mode, resolve_mode
 from distributed import assert_close, run_cases, values
 
 WORLD_SIZES = (4, 6)
-#: Cases that need a sequence-parallel group of 2 x 2 inside CFG groups or replicas (world 4: 1 x 2; world 8: 2 x 2).
-LAYOUT_CASES = ("cfg_hybrid", "replicas_hybrid")
-
-
-def _all_cases(world: int) -> list[str]:
-    import cases_hybrid
-    from distributed import case_names
-
-    names = case_names(cases_hybrid)
-    return [n for n in names if n not in LAYOUT_CASES or world in (4, 8)]
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda p: f"P{p}")
 def results(request):
-    return request.param, run_cases("cases_hybrid", request.param, cases=_all_cases(request.param))
+    """The cases' results by name: world 4 from the spawn tests/cases_cfg.py's tests share, world 6 from
+    a spawn of its own."""
+    from cases_hybrid import cases_at
+
+    P = request.param
+    if P == 4:
+        from cases_cfg import results as cfg_results
+
+        shared = cfg_results(4)
+        return P, {name: shared[f"cases_hybrid:{name}"] for name in cases_at(4)}
+    return P, run_cases("cases_hybrid", P, cases=cases_at(P))
 
 
 def _degrees(heads: int, world: int) -> list[int]:
@@ -167,7 +168,9 @@ def test_cfg_parallel_and_replicas_compose(results):
                     reason="8 processes take about 3 minutes on 2 CPU cores; set DIFFUSERS_SP_TEST_8_RANKS=1")
 def test_cfg_parallel_and_replicas_around_a_2x2_mesh_at_8_ranks():
     """world = cfg 2 x kv_gather 2 x ulysses 2, and 2 replicas x kv_gather 2 x ulysses 2."""
-    _check_layout_cases(8, run_cases("cases_hybrid", 8, cases=list(LAYOUT_CASES)))
+    from cases_hybrid import cases_at
+
+    _check_layout_cases(8, run_cases("cases_hybrid", 8, cases=cases_at(8)))
 
 
 # ------------------------------------------------------------------ auto's rule without processes
