@@ -479,7 +479,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             only 1. ``None``: chosen from the head count, P and the ranks per host
             (``LOCAL_WORLD_SIZE``, set by ``torchrun`` and ``accelerate launch``), see
             :func:`diffusers_sp.validation.default_ulysses_degree`. Queries, keys and values in the
-            attention call stay ``[B, H, T + S_r, D]`` on every rank. Share the VAE's decode tiles over the ranks of a replica
+            attention call stay ``[B, H, T + S_r, D]`` on every rank.
+        parallel_vae: Share the VAE's decode tiles over the ranks of a replica
             (:mod:`diffusers_sp.vae`; enables the VAE's tiling).
         attention_kernel: The local dense kernel: ``"auto"``, ``"sdpa"`` or ``"flash_attn"`` (see
             :func:`diffusers_sp.kernels.sdpa.local_attention`).
@@ -511,8 +512,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             mode or option value, a mode the model cannot run exactly (e.g. Ulysses with fewer heads
             than ranks), a ``ulysses_degree`` that does not divide the group, exceeds the heads or
             contradicts the mode (the message lists the values that work), ``mode="hybrid"`` with a
-            ``process_group``, ``vsa_*`` options with another mode, sequence parallelism already enabled on
-            the target, or an unusable process group. Raised before any collective, with the same
+            ``process_group`` or ``sp_transport="copy_engine"``, ``vsa_*`` options with another mode,
+            sequence parallelism already enabled on the target, or an unusable process group. Raised before any collective, with the same
             message on every rank (ranks launched with different settings all get the same error).
     """
     given_vsa = {"vsa_sparsity": vsa_sparsity, "vsa_tile_size": vsa_tile_size, "vsa_sp_mode": vsa_sp_mode,
