@@ -513,8 +513,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             than ranks), a ``ulysses_degree`` that does not divide the group, exceeds the heads or
             contradicts the mode (the message lists the values that work), ``mode="hybrid"`` with a
             ``process_group`` or ``sp_transport="copy_engine"``, ``vsa_*`` options with another mode,
-            sequence parallelism already enabled on the target, or an unusable process group. Raised before any collective, with the same
-            message on every rank (ranks launched with different settings all get the same error).
+            sequence parallelism already enabled on the target, or an unusable process group. Raised
+            before any collective, with the same message on every rank (ranks launched with different
+            settings all get the same error).
     """
     given_vsa = {"vsa_sparsity": vsa_sparsity, "vsa_tile_size": vsa_tile_size, "vsa_sp_mode": vsa_sp_mode,
                  "vsa_gate_weights": vsa_gate_weights}

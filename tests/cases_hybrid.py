@@ -2,9 +2,9 @@
 of U ranks, K/V-gather across them) against one process, float32, CPU/gloo.
 
 World sizes 4 (2 x 2; inside the spawn of tests/cases_cfg.py) and 6 (2 x 3 and 3 x 2; 6 x 1 and 1 x 6
-too), and 8 for CFG parallelism and replicas around a 2 x 2 mesh. Token counts: 175 (Wan, 5 x 5 x 7) and 35 (the family configs), which
-divide none of 2, 3, 4, 6, 8. Every case compares with the same process's own single-process output
-on the same inputs.
+too), and 8 for CFG parallelism and replicas around a 2 x 2 mesh. Token counts: 175 (Wan, 5 x 5 x 7)
+and 35 (the family configs), which divide none of 2, 3, 4, 6, 8. Every case compares with the same
+process's own single-process output on the same inputs.
 """
 
 from __future__ import annotations
