@@ -25,7 +25,8 @@ key padding mask and mask over the full sequence, as either mode alone. U = P is
 K/V-gather.
 
 Per layer and rank the all-to-alls move about ``4·B·S·H·D·(U−1)/(U·P)`` elements inside a host and
-the all-gather ``2·B·S·H·D·(R−1)/(R·U)`` across hosts: 1/U of K/V-gather's inter-host volume.
+the all-gather ``2·B·S·H·D·(R−1)/(R·U)`` across hosts: with the Ulysses groups as the hosts, 1/U of
+what K/V-gather alone sends between hosts (``2·B·S·H·D·(R−1)/R``).
 The transfers use the groups' collectives (NCCL, gloo on CPU); the copy-engine transport runs the
 two single-level modes only.
 """
