@@ -25,7 +25,7 @@ from .processors.vsa import VSA_DEFAULTS, TileOrderHook, VideoSparseAttnProcesso
 from .forward_chain import unregister
 from .sharding import SequenceState, apply_plan, attach, remove_hooks, retarget
 from .traits import PipelineTraits
-from .validation import SequenceParallelConfigError, validate_mode, validate_vsa
+from .validation import SequenceParallelConfigError, resolve_mode, validate_vsa
 
 logger = logging.getLogger("diffusers_sp")
 
@@ -81,9 +81,14 @@ class SequenceParallelHandle:
     """What :func:`enable_sequence_parallel` installed.
 
     Attributes:
-        mode: The mode that runs (``"ulysses"``, ``"kv_gather"`` or ``"vsa"``; ``"auto"`` resolved).
+        mode: The mode that runs (``"ulysses"``, ``"kv_gather"``, ``"hybrid"`` or ``"vsa"``; ``"auto"``
+            resolved).
         sp_mode: The communication that runs: ``mode`` itself, or for VSA its resolved
-            ``vsa_sp_mode`` (``"ulysses"`` or ``"kv_gather"``).
+            ``vsa_sp_mode`` (``"ulysses"``, ``"kv_gather"`` or ``"hybrid"``).
+        ulysses_degree, kv_gather_degree: The factorisation of the sequence-parallel group,
+            ``world_size = kv_gather_degree x ulysses_degree``: ``(P, 1)`` for Ulysses, ``(1, P)`` for
+            K/V-gather, ``(U, P / U)`` for hybrid (Ulysses inside groups of ``U`` consecutive ranks,
+            K/V-gather across them).
         rank: This process's rank in the sequence-parallel group.
         world_size: Ranks in the group (1: nothing is split).
         traits: The pipeline's traits as read at enable time.
@@ -105,6 +110,8 @@ class SequenceParallelHandle:
     sp_mode: str = ""
     transport: str = "nccl"
     requested_kernel: str = "auto"
+    ulysses_degree: int = 1
+    kv_gather_degree: int = 1
     _models: list = field(default_factory=list, repr=False)
     # Where this rank sits in the replicas x cfg x sp layout (diffusers_sp.replicas / cfg_parallel / vae).
     replica_index: int = 0
@@ -406,6 +413,13 @@ def _gate_paths(spec, traits: PipelineTraits) -> list:
     return [path(spec)]
 
 
+def _hybrid_copy_engine_refusal(traits: PipelineTraits) -> SequenceParallelConfigError:
+    return SequenceParallelConfigError(
+        f"{traits.name}: sp_transport='copy_engine' does not apply to mode='hybrid', whose two levels of groups "
+        "use the collectives (NCCL). Use sp_transport='auto' or 'nccl', or mode='ulysses' / 'kv_gather' on one "
+        "host with sp_transport='copy_engine'.")
+
+
 def _resolve_transport(requested: str, mode: str, group: SPGroup, traits: PipelineTraits, *,
                        kv_first: bool = False) -> str:
     """``sp_transport`` resolved for ``mode``: ``"nccl"`` or ``"copy_engine"``.
@@ -421,13 +435,15 @@ def _resolve_transport(requested: str, mode: str, group: SPGroup, traits: Pipeli
     slower to 4.8 ms faster), and needs no symmetric buffer (0.19 GiB less per rank at the 1.3B
     shape, 0.71 GiB at 14B). Ulysses with joint text (Flux, SD3, CogVideoX, HunyuanVideo, Mochi,
     QwenImage) always runs on NCCL: its text rows travel in the same all-to-all. ``"copy_engine"``
-    asks for them in either dense mode at any world size. VSA always uses NCCL.
+    asks for them in either dense mode at any world size. VSA and hybrid always use NCCL.
 
     Raises:
-        SequenceParallelConfigError: ``"copy_engine"`` was asked for where it cannot run, or for
-            Ulysses on a model with joint text (the same on every rank: the checks read only the
+        SequenceParallelConfigError: ``"copy_engine"`` was asked for where it cannot run, for hybrid,
+            or for Ulysses on a model with joint text (the same on every rank: the checks read only the
             traits, the group and the launcher's environment).
     """
+    if mode == "hybrid" and requested == "copy_engine" and group.world_size > 1:
+        raise _hybrid_copy_engine_refusal(traits)
     if mode not in ("ulysses", "kv_gather") or requested == "nccl" or group.world_size == 1:
         return "nccl"  # at world size 1 nothing is transferred
     joint = [m.name for m in traits.models if m.joint_text]
@@ -451,7 +467,8 @@ def _resolve_transport(requested: str, mode: str, group: SPGroup, traits: Pipeli
 
 
 def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, cfg_parallel: bool | str = False,
-                             sp_degree: int | None = None, parallel_vae: bool = False,
+                             sp_degree: int | None = None, ulysses_degree: int | None = None,
+                             parallel_vae: bool = False,
                              attention_kernel: str = "auto", sp_transport: str = "auto",
                              overlap_head_groups: int | str = "auto", overlap_query_projection: bool = True,
                              vsa_sparsity: float | None = None, vsa_tile_size: tuple[int, int, int] | None = None,
@@ -467,9 +484,13 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         target: A Diffusers pipeline (every transformer it holds is parallelized, e.g. ``transformer``
             and ``transformer_2`` of Wan 2.2) or a transformer model; see
             :func:`diffusers_sp.pipelines.resolve_target` and the README's coverage table.
-        mode: ``"auto"`` (K/V-gather at world size <= 2 or heads not divisible by it, else Ulysses),
-            ``"ulysses"`` (all-to-all over heads), ``"kv_gather"`` (all-gather K and V) or ``"vsa"``
-            (video sparse attention, arXiv 2505.13389, on families that can read the latent grid).
+        mode: ``"auto"`` (:func:`diffusers_sp.validation.choose_auto_mode`: inside one host K/V-gather
+            at world size <= 2 or heads not divisible by it, Ulysses otherwise, hybrid with fewer heads
+            than ranks; across hosts hybrid, Ulysses inside each host), ``"ulysses"`` (all-to-all over
+            heads), ``"kv_gather"`` (all-gather K and V), ``"hybrid"`` (Ulysses inside groups of
+            ``ulysses_degree`` ranks, K/V-gather across them: USP, arXiv 2405.07719; see
+            :mod:`diffusers_sp.processors.hybrid`) or ``"vsa"`` (video sparse attention, arXiv
+            2505.13389, on families that can read the latent grid).
         process_group: A ``torch.distributed.ProcessGroup`` to split over; ``None`` uses the whole
             run as launched by ``accelerate launch`` / ``torchrun`` (initialised through
             ``accelerate.PartialState``: NCCL on CUDA, gloo on CPU), or one process if not launched.
@@ -479,6 +500,16 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         sp_degree: Ranks per sequence-parallel group; ``None``: all ranks not used by CFG. Smaller
             values leave ``world / (cfg x sp)`` replicas (see :mod:`diffusers_sp.replicas`); the
             handle reports ``replica_index`` and ``num_replicas``.
+        ulysses_degree: ``None`` or U, a divisor of the sequence-parallel group's P ranks, at most the
+            fewest heads of any model: the group factors into ``P / U`` K/V-gather x ``U`` Ulysses
+            (``world = replicas x cfg x kv_gather x ulysses``; Ulysses groups are ``U`` consecutive
+            ranks, so they share a host when U divides the ranks per host). Honoured by
+            ``mode="hybrid"`` and ``"auto"`` (U = P: Ulysses, U = 1: K/V-gather, else hybrid) and by
+            ``mode="vsa"`` for its ``vsa_sp_mode``; ``"ulysses"`` accepts only P, ``"kv_gather"``
+            only 1. ``None``: chosen from the head count, P and the ranks per host
+            (``LOCAL_WORLD_SIZE``, set by ``torchrun`` and ``accelerate launch``), see
+            :func:`diffusers_sp.validation.default_ulysses_degree`. Queries, keys and values in the
+            attention call stay ``[B, H, T + S_r, D]`` on every rank.
         parallel_vae: Share the VAE's decode tiles over the ranks of a replica
             (:mod:`diffusers_sp.vae`; enables the VAE's tiling).
         attention_kernel: The local dense kernel: ``"auto"``, ``"sdpa"`` or ``"flash_attn"`` (see
@@ -503,15 +534,18 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             with several transformers); ``None``: zero gate.
 
     Returns:
-        A :class:`SequenceParallelHandle` with ``mode``, ``sp_mode``, ``transport``, ``rank``,
-        ``world_size`` and ``disable()``.
+        A :class:`SequenceParallelHandle` with ``mode``, ``sp_mode``, ``ulysses_degree``,
+        ``kv_gather_degree``, ``transport``, ``rank``, ``world_size`` and ``disable()``.
 
     Raises:
         SequenceParallelConfigError: a target holding no transformer diffusers-sp runs, an unknown
             mode or option value, a mode the model cannot run exactly (e.g. Ulysses with fewer heads
-            than ranks), ``vsa_*`` options with another mode, sequence parallelism already enabled on
-            the target, or an unusable process group. Raised before any collective, with the same
-            message on every rank (ranks launched with different settings all get the same error).
+            than ranks), a ``ulysses_degree`` that does not divide the group, exceeds the heads or
+            contradicts the mode (the message lists the values that work), ``mode="hybrid"`` with a
+            ``process_group`` or ``sp_transport="copy_engine"``, ``vsa_*`` options with another mode,
+            sequence parallelism already enabled on the target, or an unusable process group. Raised
+            before any collective, with the same message on every rank (ranks launched with different
+            settings all get the same error).
     """
     given_vsa = {"vsa_sparsity": vsa_sparsity, "vsa_tile_size": vsa_tile_size, "vsa_sp_mode": vsa_sp_mode,
                  "vsa_gate_weights": vsa_gate_weights}
@@ -526,7 +560,9 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         raise SequenceParallelConfigError(
             f"{traits.name}: sequence parallelism is already enabled; call disable_sequence_parallel() first.")
     layout = _resolve_layout(target, traits, family, process_group, cfg_parallel, sp_degree)
-    resolved = validate_mode(mode, traits, layout.sp_degree)
+    host_size = _host_size(process_group)
+    resolved, ulysses = resolve_mode(mode, traits, layout.sp_degree, ulysses_degree=ulysses_degree,
+                                     host_size=host_size)
     cfg_strategy = family.cfg_strategy if layout.cfg_degree == 2 else None
     for _, model in models:
         caches.check_no_diffusers_parallelism(model)
@@ -536,7 +572,18 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         raise SequenceParallelConfigError(
             f"{traits.name}: {', '.join(stray)} apply to mode='vsa' only, but the mode is {resolved!r} "
             f"(from mode={mode!r}). Pass mode='vsa' or drop them.")
-    vsa, gate_error = _resolve_vsa(traits, family, layout, opts) if resolved == "vsa" else (None, None)
+    vsa, gate_error = _resolve_vsa(traits, family, layout, opts, ulysses_degree, host_size) if resolved == "vsa" \
+        else (None, None)
+    sp_mode = vsa["sp_mode"] if vsa else resolved
+    if vsa:
+        ulysses = vsa["ulysses_degree"]
+    if sp_mode == "hybrid" and opts["sp_transport"] == "copy_engine" and layout.sp_degree > 1:
+        raise _hybrid_copy_engine_refusal(traits)  # before any collective
+    if sp_mode == "hybrid" and process_group is not None:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: mode='hybrid' builds its Ulysses and K/V-gather groups from the whole launch; pass "
+            f"process_group=None with it (sp_degree makes smaller sequence-parallel groups), or use "
+            f"mode='ulysses' / 'kv_gather' over the process_group.")
     if parallel_vae:
         from .vae import check_parallel_vae
 
@@ -552,6 +599,7 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         "overlap_query_projection": opts["overlap_query_projection"],
         "vsa": None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"], opts["vsa_gate_weights"] is not None),
         "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
+        "ulysses_degree": ulysses,
         "parallel_vae": bool(parallel_vae),
         "hooks (caches, offloading, ...)": [caches.describe(model.modules()) for _, model in models],
         "vsa_gate_weights (read)": "ok" if gate_error is None else f"failed: {gate_error}"}
@@ -559,19 +607,22 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     _check_same_on_all_ranks(launch, agree)
     if gate_error is not None:
         raise gate_error
-    if layout.trivial:
+    hybrid = sp_mode == "hybrid"
+    if layout.trivial and not hybrid:
         group, pgroups = launch, None
     else:
         from .groups import build_parallel_groups
 
-        pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree)
+        pgroups = build_parallel_groups(layout.num_replicas, layout.cfg_degree, layout.sp_degree,
+                                        ulysses if hybrid else None)
         group = pgroups.sp
     kv_first = family.self_attention_kv_first if opts["overlap_query_projection"] else None
-    transport = _agreed_transport(opts["sp_transport"], resolved, group, traits, kv_first=kv_first is not None)
+    transport = _agreed_transport(opts["sp_transport"], sp_mode, group, traits, kv_first=kv_first is not None)
 
     handle = SequenceParallelHandle(mode=resolved, rank=group.rank, world_size=group.world_size, traits=traits,
-                                    group=group, target=target, sp_mode=vsa["sp_mode"] if vsa else resolved,
+                                    group=group, target=target, sp_mode=sp_mode,
                                     transport=transport if transport == "copy_engine" else group.backend or "none",
+                                    ulysses_degree=ulysses, kv_gather_degree=group.world_size // ulysses,
                                     requested_kernel=opts["attention_kernel"])
     replica_group = group
     if pgroups is not None:
@@ -586,8 +637,10 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         handle.disable()  # nothing half-installed stays behind
         raise
     if handle.is_output_rank and handle.replica_index == 0:
-        sizes = (f"sp {layout.sp_degree}" if layout.trivial else
-                 f"{layout.num_replicas} replica(s) x cfg {layout.cfg_degree} x sp {layout.sp_degree} = "
+        sp = f"sp {layout.sp_degree}" + (f" (ulysses {ulysses} x kv_gather {layout.sp_degree // ulysses})"
+                                          if sp_mode == "hybrid" else "")
+        sizes = (sp if layout.trivial else
+                 f"{layout.num_replicas} replica(s) x cfg {layout.cfg_degree} x {sp} = "
                  f"{layout.num_replicas * layout.cfg_degree * layout.sp_degree} ranks")
         logger.info("diffusers-sp: %s with %s, %s, transfers by %s, attention kernel %s%s", traits.name,
                     resolved if vsa is None else f"vsa (under {vsa['sp_mode']})", sizes, handle.transport,
@@ -634,16 +687,27 @@ def _resolve_layout(target, traits, family, process_group, cfg_parallel, sp_degr
     return layout
 
 
-def _resolve_vsa(traits, family, layout, opts) -> tuple[dict, SequenceParallelConfigError | None]:
+def _host_size(process_group) -> int | None:
+    """Ranks per host of the launch, from ``LOCAL_WORLD_SIZE`` (``torchrun`` and ``accelerate launch``
+    set it on every rank); ``None`` (taken as one host) when it is not set or a ``process_group`` was
+    passed, whose ranks need not follow the launch's numbering."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if process_group is not None or not value.strip().isdigit() or int(value) < 1:
+        return None
+    return int(value)
+
+
+def _resolve_vsa(traits, family, layout, opts, ulysses_degree=None,
+                 host_size=None) -> tuple[dict, SequenceParallelConfigError | None]:
     """``mode="vsa"``'s options checked and its gate weights read: ``(vsa settings, the reading's error)``.
 
     Every rank reads the files before any collective. A file that only some ranks can read (a path
     missing on one host) must not fail on those alone: the outcome is compared over the launch with the
     other options, and raised after that on every rank."""
-    sparsity, tile, sp_mode = validate_vsa(
+    sparsity, tile, sp_mode, ulysses = validate_vsa(
         traits, layout.sp_degree, sparsity=opts["vsa_sparsity"], tile_size=opts["vsa_tile_size"],
         sp_mode=opts["vsa_sp_mode"], has_latent_grid=family.latent_grid is not None,
-        family_refusal=family.vsa_refusal)
+        family_refusal=family.vsa_refusal, ulysses_degree=ulysses_degree, host_size=host_size)
     paths = _gate_paths(opts["vsa_gate_weights"], traits)
     gate_error = None
     try:
@@ -652,7 +716,7 @@ def _resolve_vsa(traits, family, layout, opts) -> tuple[dict, SequenceParallelCo
     except Exception as exc:  # noqa: BLE001 - any reader error (missing file, bad safetensors) is shared
         gates, gate_error = None, exc if isinstance(exc, SequenceParallelConfigError) else \
             SequenceParallelConfigError(f"vsa_gate_weights: {type(exc).__name__}: {exc}")
-    return dict(sparsity=sparsity, tile=tile, sp_mode=sp_mode, gates=gates), gate_error
+    return dict(sparsity=sparsity, tile=tile, sp_mode=sp_mode, ulysses_degree=ulysses, gates=gates), gate_error
 
 
 def _agreed_transport(requested: str, mode: str, group: SPGroup, traits, *, kv_first: bool) -> str:
@@ -682,7 +746,8 @@ def _install(handle, target, family, models, traits, *, vsa, opts, kv_first, lay
     processor_cls = family.attention_processor or PROCESSORS[handle.mode]
     for index, ((_, model), model_traits) in enumerate(zip(models, traits.models)):
         # The processors read where joint-attention text tokens sit (None, "prefix" or "suffix").
-        state = SequenceState(group, owner=traits.name, extra={"joint_text": model_traits.joint_text})
+        state = SequenceState(group, owner=traits.name, extra={"joint_text": model_traits.joint_text},
+                              mesh=pgroups.hybrid if pgroups is not None else None)
         installed = _InstalledModel(model, state, hooks=[], processors=[], modules=list(model.modules()),
                                     swapped=tuple(family.swapped_processors))
         # A cache decides once for what one process computes in one call: with CFG folded into the

@@ -200,6 +200,43 @@ def destroy_process_groups(*, barrier: bool = False) -> None:
 
 
 @dataclass(frozen=True)
+class HybridMesh:
+    """The two levels of a sequence-parallel group of ``P = U x R`` ranks in ``mode="hybrid"``.
+
+    From USP (J. Fang, S. Zhao, "USP: A Unified Sequence Parallelism Approach for Long Context
+    Generative AI", arXiv 2405.07719): sequence-parallel rank ``p = o * U + u`` belongs to the Ulysses
+    (inner) group ``o`` of the ``U`` consecutive ranks ``o * U .. o * U + U - 1`` and to the K/V-gather
+    (outer) group ``u`` of the ``R`` ranks ``u, U + u, .., (R - 1) * U + u``. Launchers number ranks host
+    by host, so an inner group of consecutive ranks shares a host whenever U divides the host size.
+
+    Attributes:
+        ulysses: This rank's inner group (``U`` ranks; its rank is ``u``).
+        kv_gather: This rank's outer group (``R`` ranks; its rank is ``o``).
+    """
+
+    ulysses: SPGroup
+    kv_gather: SPGroup
+
+    @property
+    def ulysses_degree(self) -> int:
+        return self.ulysses.world_size
+
+    @property
+    def kv_gather_degree(self) -> int:
+        return self.kv_gather.world_size
+
+    def split_sizes(self, sizes: list[int]) -> tuple[list[int], list[int]]:
+        """``sizes`` (tokens per rank of the whole group, ``P`` entries) as ``(tokens per rank of this
+        rank's inner group, tokens per inner group)``: the token chunk of inner group ``o`` is the
+        concatenation of its ranks' shards, and the chunks in order of ``o`` are the whole sequence."""
+        U, R = self.ulysses_degree, self.kv_gather_degree
+        if len(sizes) != U * R:
+            raise ValueError(f"{len(sizes)} shard sizes for a {U} x {R} mesh")
+        o = self.kv_gather.rank
+        return list(sizes[o * U:(o + 1) * U]), [sum(sizes[i * U:(i + 1) * U]) for i in range(R)]
+
+
+@dataclass(frozen=True)
 class ParallelGroups:
     """The groups of a ``replicas x cfg x sp`` launch, cut from one torch ``DeviceMesh``.
 
@@ -218,6 +255,8 @@ class ParallelGroups:
         world: The whole launch.
         replica_index: Which replica this rank belongs to (0-based); ``num_replicas`` of them.
         cfg_rank: 0 (conditional pass / first half of a CFG batch) or 1 (unconditional / second half).
+        hybrid: ``None``, or the :class:`HybridMesh` that factors ``sp`` into ``kv_gather x ulysses``
+            (``world = replicas x cfg x kv_gather x ulysses``).
     """
 
     sp: SPGroup
@@ -228,28 +267,37 @@ class ParallelGroups:
     num_replicas: int
     cfg_rank: int
     cfg_degree: int
+    hybrid: HybridMesh | None = None
 
 
 _PARALLEL_GROUPS: dict = {}
 
 
-def build_parallel_groups(num_replicas: int, cfg_degree: int, sp_degree: int) -> ParallelGroups:
-    """Builds (once per shape and launch; cached) the ``replicas x cfg x sp`` groups.
+def build_parallel_groups(num_replicas: int, cfg_degree: int, sp_degree: int,
+                          ulysses_degree: int | None = None) -> ParallelGroups:
+    """Builds (once per shape and launch; cached) the ``replicas x cfg x sp`` groups, and with
+    ``ulysses_degree`` the :class:`HybridMesh` that factors each ``sp`` group into
+    ``kv_gather x ulysses`` (``sp_degree / ulysses_degree`` x ``ulysses_degree``).
 
-    A collective over the whole launch: every rank must call it with the same arguments. The
-    arguments must already be validated (``num_replicas * cfg_degree * sp_degree`` = world size),
-    see :func:`diffusers_sp.replicas.resolve_layout`.
+    A collective over the whole launch: every rank must call it with the same arguments, and every
+    rank creates every group, in the same order. The arguments must already be validated
+    (``num_replicas * cfg_degree * sp_degree`` = world size, ``ulysses_degree`` divides
+    ``sp_degree``), see :func:`diffusers_sp.replicas.resolve_layout` and
+    :func:`diffusers_sp.validation.resolve_mode`.
 
     Returns:
         :class:`ParallelGroups`. With one process and no distributed run, every group is that process.
     """
     world = resolve_group(None)
     if world.world_size == 1:
-        return ParallelGroups(world, world, world, world, 0, 1, 0, 1)
+        mesh = HybridMesh(world, world) if ulysses_degree is not None else None
+        return ParallelGroups(world, world, world, world, 0, 1, 0, 1, mesh)
     if num_replicas * cfg_degree * sp_degree != world.world_size:
         raise SequenceParallelConfigError(
             f"replicas {num_replicas} x cfg {cfg_degree} x sp {sp_degree} != world size {world.world_size}")
-    key = (num_replicas, cfg_degree, sp_degree, world.world_size, world.group_name)
+    if ulysses_degree is not None and sp_degree % ulysses_degree:
+        raise SequenceParallelConfigError(f"ulysses_degree {ulysses_degree} does not divide sp {sp_degree}")
+    key = (num_replicas, cfg_degree, sp_degree, ulysses_degree, world.world_size, world.group_name)
     if key in _PARALLEL_GROUPS:
         return _PARALLEL_GROUPS[key]
     from torch.distributed.device_mesh import init_device_mesh
@@ -270,8 +318,26 @@ def build_parallel_groups(num_replicas: int, cfg_degree: int, sp_degree: int) ->
         group, _ = dist.new_subgroups_by_enumeration(
             [list(range(r * per_replica, (r + 1) * per_replica)) for r in range(num_replicas)])
         replica = SPGroup(group.group_name, world.rank % per_replica, per_replica, backend)
+    hybrid = None if ulysses_degree is None else _hybrid_mesh(world, sp_degree, ulysses_degree)
     out = ParallelGroups(sp=sub("sp"), cfg=sub("cfg"), replica=replica, world=world,
                          replica_index=world.rank // per_replica, num_replicas=num_replicas,
-                         cfg_rank=(world.rank // sp_degree) % cfg_degree, cfg_degree=cfg_degree)
+                         cfg_rank=(world.rank // sp_degree) % cfg_degree, cfg_degree=cfg_degree, hybrid=hybrid)
     _PARALLEL_GROUPS[key] = out
     return out
+
+
+def _hybrid_mesh(world: SPGroup, sp_degree: int, ulysses_degree: int) -> HybridMesh:
+    """The :class:`HybridMesh` of this rank: every sequence-parallel group (``sp_degree`` consecutive
+    global ranks) cut into inner groups of ``ulysses_degree`` consecutive ranks and outer groups of
+    the ranks with the same index in their inner group. Every rank creates every group (inner ones
+    first), as ``torch.distributed.new_group`` requires; only the names of this rank's are kept."""
+    U, R = ulysses_degree, sp_degree // ulysses_degree
+    blocks = range(0, world.world_size, sp_degree)
+    inner = [[b + o * U + u for u in range(U)] for b in blocks for o in range(R)]
+    outer = [[b + o * U + u for o in range(R)] for b in blocks for u in range(U)]
+    p = world.rank % sp_degree
+    made = []
+    for ranks, size, rank in ((inner, U, p % U), (outer, R, p // U)):
+        group, _ = dist.new_subgroups_by_enumeration(ranks)
+        made.append(SPGroup(group.group_name, rank, size, world.backend))
+    return HybridMesh(ulysses=made[0], kv_gather=made[1])

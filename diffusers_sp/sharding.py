@@ -282,6 +282,9 @@ class SequenceState:
         call: ``(args, kwargs)`` of the model's current forward as the caller passed them, before any
             split (shallow copies; ``None`` outside a forward): for code that needs the whole input,
             such as SeaCache's indicator (:mod:`diffusers_sp.caches`).
+        mesh: ``None``, or in ``mode="hybrid"`` (and VSA over it) the
+            :class:`~diffusers_sp.groups.HybridMesh` that factors :attr:`group` into Ulysses and
+            K/V-gather groups; the tokens are split over :attr:`group` as in every mode.
     """
 
     group: SPGroup
@@ -293,6 +296,7 @@ class SequenceState:
     order: TokenOrder | None = None
     check: Callable[[], None] | None = None
     call: tuple | None = None
+    mesh: Any = None
 
     def shard_sizes(self) -> list[int]:
         """Tokens held by each rank for the current forward."""

@@ -47,7 +47,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     """The flags every example shares: ``--seed``, ``--dtype``, ``--check``, ``--cfg-parallel``,
-    ``--sp-degree`` and ``--prompts-file`` (checked by :func:`check_run_flags`)."""
+    ``--sp-degree``, ``--ulysses-degree`` and ``--prompts-file`` (checked by :func:`check_run_flags`)."""
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
@@ -57,6 +57,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="CFG parallelism: two rank groups for the conditional / unconditional passes")
     p.add_argument("--sp-degree", type=int, default=None,
                    help="ranks per sequence-parallel group (default: all ranks not used by CFG); the rest are replicas")
+    p.add_argument("--ulysses-degree", type=int, default=None,
+                   help="--mode hybrid or auto: Ulysses inside groups of this many ranks, K/V-gather across them "
+                        "(default: chosen from the heads, the ranks and the ranks per host)")
     p.add_argument("--prompts-file", default=None,
                    help="file with one prompt per line, spread over the replicas (outputs <stem>_000<suffix>, ...)")
 
@@ -67,6 +70,8 @@ def check_run_flags(args) -> None:
         raise FlagError(f"--steps {args.steps}: must be at least 1")
     if args.sp_degree is not None and args.sp_degree < 1:
         raise FlagError(f"--sp-degree {args.sp_degree}: must be at least 1")
+    if args.ulysses_degree is not None and args.ulysses_degree < 1:
+        raise FlagError(f"--ulysses-degree {args.ulysses_degree}: must be at least 1")
 
 
 def run(main, argv=None) -> None:
@@ -195,8 +200,12 @@ def finish(ok: bool, group, device) -> int:
 
 
 def layout_line(handle) -> str:
-    """The run's layout for the log: ranks in all, and ``replicas x cfg x sp`` when not plain SP."""
+    """The run's layout for the log: ranks in all, ``replicas x cfg x sp`` when not plain SP, and the
+    ``ulysses x kv_gather`` factorisation of ``sp`` under hybrid."""
     total = handle.num_replicas * handle.cfg_degree * handle.world_size
+    sp = f"sp {handle.world_size}"
+    if handle.sp_mode == "hybrid":
+        sp += f" = ulysses {handle.ulysses_degree} x kv_gather {handle.kv_gather_degree}"
     if handle.num_replicas == 1 and handle.cfg_degree == 1:
-        return f"ranks={total} (sp {handle.world_size})"
-    return (f"ranks={total} (replicas {handle.num_replicas} x cfg {handle.cfg_degree} x sp {handle.world_size})")
+        return f"ranks={total} ({sp})"
+    return (f"ranks={total} (replicas {handle.num_replicas} x cfg {handle.cfg_degree} x {sp})")

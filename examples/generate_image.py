@@ -52,7 +52,7 @@ def parse_args(argv=None):
                    help="passed to pipelines that take one (true CFG for Flux and QwenImage)")
     p.add_argument("--image", action="append", default=None,
                    help="input image file (repeat for several), for Kontext, Edit, img2img and inpaint pipelines")
-    p.add_argument("--mode", default="auto", choices=["auto", "ulysses", "kv_gather"],
+    p.add_argument("--mode", default="auto", choices=["auto", "ulysses", "kv_gather", "hybrid"],
                    help="sequence-parallel strategy (default: auto)")
     p.add_argument("--height", type=int, default=None, help="pixels (default: the pipeline's; 40 for the tiny model)")
     p.add_argument("--width", type=int, default=None, help="pixels (default: the pipeline's; 56 for the tiny model)")
@@ -172,6 +172,7 @@ def main(argv=None) -> int:
     pipe.set_progress_bar_config(disable=rank != 0)
     call = call_arguments(pipe, args)
     handle = enable_sequence_parallel(pipe, mode=args.mode, sp_degree=args.sp_degree,
+                                      ulysses_degree=args.ulysses_degree,
                                       cfg_parallel={"off": False, "on": True, "auto": "auto"}[args.cfg_parallel])
     log.info("%s: mode=%s (transfers: %s) %s device=%s dtype=%s", type(pipe).__name__, handle.mode,
              handle.transport, layout_line(handle), device, dtype)

@@ -48,7 +48,7 @@ def parse_args(argv=None):
                    help="local folder or Hub id of a Wan Diffusers pipeline (default: the built-in tiny Wan)")
     p.add_argument("--prompt", default="a small red bird flies over the blue water")
     p.add_argument("--negative-prompt", default="")
-    p.add_argument("--mode", default="auto", choices=["auto", "ulysses", "kv_gather", "vsa"],
+    p.add_argument("--mode", default="auto", choices=["auto", "ulysses", "kv_gather", "vsa", "hybrid"],
                    help="sequence-parallel strategy (default: auto)")
     p.add_argument("--height", type=int, default=80, help="pixels (multiple of 16); default fits the tiny model")
     p.add_argument("--width", type=int, default=112, help="pixels (multiple of 16)")
@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     pipe = load_pipeline(args.model, dtype, rank).to(device)
     pipe.set_progress_bar_config(disable=rank != 0)
     vsa_options = {"vsa_sparsity": args.vsa_sparsity} if args.mode == "vsa" else {}
-    handle = enable_sequence_parallel(pipe, mode=args.mode, sp_degree=args.sp_degree, parallel_vae=args.parallel_vae,
+    handle = enable_sequence_parallel(pipe, mode=args.mode, sp_degree=args.sp_degree,
+                                      ulysses_degree=args.ulysses_degree, parallel_vae=args.parallel_vae,
                                       cfg_parallel={"off": False, "on": True, "auto": "auto"}[args.cfg_parallel],
                                       **vsa_options)
     # --check compares with one process. For VSA that is single-process VSA (sparse attention is not

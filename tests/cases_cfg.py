@@ -402,9 +402,18 @@ _RESULTS: dict = {}
 
 
 def results(world_size: int) -> dict:
-    """``run_cases("cases_cfg", world_size)``, run once per world size per pytest run."""
-    from distributed import run_cases
+    """``run_cases("cases_cfg", world_size)``, run once per world size per pytest run; at world size 4
+    the spawn also runs the cases of tests/cases_hybrid.py (as ``"cases_hybrid:<case>"``, read by
+    tests/test_hybrid.py), so that the two share it."""
+    import sys
+
+    from distributed import case_names, run_cases
 
     if world_size not in _RESULTS:
-        _RESULTS[world_size] = run_cases("cases_cfg", world_size)
+        cases = case_names(sys.modules[__name__])
+        if world_size == 4:
+            import cases_hybrid
+
+            cases += [f"cases_hybrid:{name}" for name in cases_hybrid.cases_at(world_size)]
+        _RESULTS[world_size] = run_cases("cases_cfg", world_size, cases=cases)
     return _RESULTS[world_size]

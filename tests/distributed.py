@@ -57,8 +57,9 @@ def _worker(local_rank: int, world_size: int, port: int, module: str, cases: lis
     mod = importlib.import_module(module)
     results = {}
     for name in cases:
+        other, _, case = name.rpartition(":")  # "<module>:<case>": a case of another module, in this spawn
         try:
-            results[name] = ("ok", getattr(mod, f"case_{name}")())
+            results[name] = ("ok", getattr(importlib.import_module(other) if other else mod, f"case_{case}")())
         except Exception as exc:  # reported to the pytest side, which fails that case's test
             results[name] = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
     from diffusers_sp.groups import destroy_process_groups
@@ -140,6 +141,9 @@ def case_names(module) -> list[str]:
 def run_cases(module: str, world_size: int, cases: list[str] | None = None, timeout: float = 900,
               device: str = "cpu") -> dict:
     """Runs the cases of ``tests/<module>.py`` on ``world_size`` processes; see the module docstring.
+
+    ``cases`` (default: every case of ``module``) may name a case of another module as
+    ``"<module>:<case>"``, so that modules share one spawn per world size.
 
     ``device="cpu"`` runs them on gloo (CUDA hidden), ``"cuda"`` on NCCL with one GPU per rank.
     """

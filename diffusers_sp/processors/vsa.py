@@ -16,6 +16,11 @@ so the reordering is exact, and it is undone when the output is gathered.
 * Under Ulysses Q, K, V and the gate travel in one all-to-all to head shards over the full
   sequence, each rank runs VSA for its heads over all tiles, and one all-to-all brings the output
   back.
+* Under hybrid (USP, arXiv 2405.07719; :mod:`diffusers_sp.processors.hybrid`) the two combine: Q, K,
+  V and the gate travel in one all-to-all inside the Ulysses group to its token chunk (whole tiles:
+  the concatenation of its ranks' tile ranges) of this rank's heads, K and V of those heads are
+  all-gathered across the K/V-gather group, and each rank runs VSA for the chunk's query tiles
+  against all key tiles; one all-to-all inside the Ulysses group brings the output back.
 
 sglang's diffusion runtime refuses K/V-gather with VSA; Diffusers has no sparse attention under
 context parallelism.
@@ -55,6 +60,9 @@ class TilePlan:
         slots: ``LongTensor``: for the valid tokens of all tiles, in tile order, their slot in the
             padded ``[N * V]`` layout, on the device.
         rank_slots: Per rank, the same for its own tiles, relative to its first tile.
+        chunk_ranges: Per Ulysses group of a hybrid mesh (``ulysses_degree`` consecutive ranks), the
+            ``(start, end)`` of its tiles: its ranks' ranges joined.
+        chunk_slots: Per Ulysses group, the slots of its tiles, relative to its first tile.
     """
 
     layout: object
@@ -63,13 +71,16 @@ class TilePlan:
     block_sizes: torch.Tensor
     slots: torch.Tensor
     rank_slots: tuple
+    chunk_ranges: tuple = ()
+    chunk_slots: tuple = ()
 
 
 @functools.lru_cache(maxsize=16)
 def tile_plan(grid: tuple[int, int, int], tile: tuple[int, int, int], world_size: int,
-              device: torch.device = torch.device("cpu")) -> TilePlan:
+              device: torch.device = torch.device("cpu"), ulysses_degree: int = 1) -> TilePlan:
     """The :class:`TilePlan` of ``grid`` cut into ``tile`` over ``world_size`` ranks, its index tensors
-    on ``device``. Cached: built (and copied to the device) once per grid, not once per layer.
+    on ``device`` (with the chunks of Ulysses groups of ``ulysses_degree`` ranks, a divisor of
+    ``world_size``). Cached: built (and copied to the device) once per grid, not once per layer.
     Built outside inference mode, so that a plan first made under ``torch.inference_mode()`` also
     serves later calls with grad on (an inference tensor cannot be saved for backward).
 
@@ -77,10 +88,10 @@ def tile_plan(grid: tuple[int, int, int], tile: tuple[int, int, int], world_size
         SequenceParallelConfigError: fewer tiles than ranks.
     """
     with torch.inference_mode(False):
-        return _build_tile_plan(grid, tile, world_size, device)
+        return _build_tile_plan(grid, tile, world_size, device, ulysses_degree)
 
 
-def _build_tile_plan(grid, tile, world_size, device) -> TilePlan:
+def _build_tile_plan(grid, tile, world_size, device, ulysses_degree=1) -> TilePlan:
     layout = make_tile_layout(grid, tile)
     if layout.num_tiles < world_size:
         raise SequenceParallelConfigError(
@@ -93,9 +104,12 @@ def _build_tile_plan(grid, tile, world_size, device) -> TilePlan:
     perm = layout.tiled_index[layout.tiled_index >= 0]
     sizes = tuple(int(layout.block_sizes[s:e].sum()) for s, e in ranges)
     order = TokenOrder(perm=perm.to(device), inverse=torch.argsort(perm).to(device), sizes=sizes)
+    U = ulysses_degree
+    chunks = tuple((ranges[o * U][0], ranges[o * U + U - 1][1]) for o in range(world_size // U))
     return TilePlan(layout=layout, ranges=ranges, order=order, block_sizes=layout.block_sizes.to(device),
                     slots=_slot_index(layout, 0, layout.num_tiles).to(device),
-                    rank_slots=tuple(_slot_index(layout, s, e).to(device) for s, e in ranges))
+                    rank_slots=tuple(_slot_index(layout, s, e).to(device) for s, e in ranges),
+                    chunk_ranges=chunks, chunk_slots=tuple(_slot_index(layout, s, e).to(device) for s, e in chunks))
 
 
 def _slot_index(layout, start: int, end: int) -> torch.Tensor:
@@ -170,7 +184,8 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
         state: The model's :class:`~diffusers_sp.sharding.SequenceState`; ``state.extra["vsa"]``
             holds the :class:`TilePlan` of the current forward, set by :class:`TileOrderHook`.
         sparsity: Fraction of key tiles each query tile skips, in ``[0, 1)``.
-        sp_mode: Communication underneath: ``"ulysses"`` or ``"kv_gather"``.
+        sp_mode: Communication underneath: ``"ulysses"``, ``"kv_gather"`` or ``"hybrid"`` (over
+            ``state.mesh``).
         gate: ``None`` (zero gate: pure block-sparse attention) or ``(weight [dim, dim], bias [dim])``
             of the gate projection ``to_gate_compress`` applied to the attention input.
         backend: VSA backend of :func:`~diffusers_sp.kernels.vsa.video_sparse_attention`
@@ -228,6 +243,8 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
                 gate=gate, scale=scale, backend=self.backend)
             return _from_tiles(out, mine)
         tensors = [query, key, value] + ([] if self._gate is None else [self._gate])
+        if self.sp_mode == "hybrid":
+            return self._hybrid(tensors, sizes, plan, scale)
         full = scatter_heads(tensors, sizes, group)  # [B, h_r, S, D] each, tile order
         tiles = [_to_tiles(t, plan.slots, N, V) for t in full]
         out = video_sparse_attention(tiles[0], tiles[1], tiles[2], q_block_sizes=plan.block_sizes,
@@ -235,6 +252,25 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
                                      sparsity=self.sparsity, gate=tiles[3] if len(tiles) > 3 else None,
                                      scale=scale, backend=self.backend)
         joined = gather_heads(_from_tiles(out, plan.slots), sizes, group, num_heads=query.shape[1])  # [S_r, B, H, D]
+        return joined.permute(1, 2, 0, 3)
+
+    def _hybrid(self, tensors, sizes, plan: TilePlan, scale):
+        """VSA over a :class:`~diffusers_sp.groups.HybridMesh` (module docstring): ``tensors`` are Q, K, V
+        (and the gate), ``[B, H, S_r, D]`` in tile order; returns ``[B, H, S_r, D]``."""
+        mesh = self.state.mesh
+        inner_sizes, outer_sizes = mesh.split_sizes(sizes)
+        V, N = plan.layout.tile_volume, plan.layout.num_tiles
+        chunk = scatter_heads(tensors, inner_sizes, mesh.ulysses)  # [B, h_u, S_o, D]: the inner group's tiles
+        k, v = gather_kv(chunk[1], chunk[2], outer_sizes, mesh.kv_gather)  # [B, h_u, S, D]: every tile
+        o = mesh.kv_gather.rank
+        start, end = plan.chunk_ranges[o]
+        mine = plan.chunk_slots[o]
+        gate = _to_tiles(chunk[3], mine, end - start, V) if len(chunk) > 3 else None
+        out = video_sparse_attention(
+            _to_tiles(chunk[0], mine, end - start, V), _to_tiles(k, plan.slots, N, V), _to_tiles(v, plan.slots, N, V),
+            q_block_sizes=plan.block_sizes[start:end], kv_block_sizes=plan.block_sizes, sparsity=self.sparsity,
+            gate=gate, scale=scale, backend=self.backend)
+        joined = gather_heads(_from_tiles(out, mine), inner_sizes, mesh.ulysses, num_heads=tensors[0].shape[1])
         return joined.permute(1, 2, 0, 3)
 
 
@@ -256,7 +292,9 @@ class TileOrderHook(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         grid = tuple(int(g) for g in self.latent_grid(module, args, kwargs))
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        plan = tile_plan(grid, self.tile, self.state.group.world_size, hidden.device)
+        mesh = self.state.mesh
+        plan = tile_plan(grid, self.tile, self.state.group.world_size, hidden.device,
+                         1 if mesh is None else mesh.ulysses_degree)
         self.state.order = plan.order
         self.state.extra["vsa"] = plan
         return args, kwargs
