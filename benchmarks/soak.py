@@ -86,7 +86,9 @@ def main(argv=None) -> int:
     p.add_argument("--pytest-args", default="", help="arguments for pytest instead of the whole suite")
     p.add_argument("--busy", action="store_true", help="keep one core busy meanwhile (CPU load)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
-    p.add_argument("--json", default=None, help="write the counts here")
+    p.add_argument("--suites-first", action="store_true", help="run the suites before the launches")
+    p.add_argument("--json", default=None, help="write the counts here (rewritten after every run, so a soak cut "
+                                                    "short keeps what it counted)")
     args = p.parse_args(argv)
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", DIFFUSERS_SP_TIMEOUT_S=os.environ.get("DIFFUSERS_SP_TIMEOUT_S", "120"))
@@ -95,21 +97,34 @@ def main(argv=None) -> int:
     failures = []
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
     started = time.time()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            env["DIFFUSERS_SP_CACHE"] = str(Path(tmp) / "cache")
-            for i in range(args.launches):
-                ranks = 2 + i % 2
-                ok, labels, log = launch_once(ranks, Path(tmp), env, args.timeout)
-                counts[f"launch P{ranks} {'passed' if ok else 'failed'}"] += 1
-                for label in labels:
-                    counts[f"launch: {label}"] += 1
-                if not ok:
-                    path = logs / f"soak_launch_{i:03d}.log"
-                    path.write_text(log)
-                    failures.append(dict(run=f"launch {i} (P={ranks})", labels=labels, log=str(path)))
-                print(f"launch {i + 1}/{args.launches} P={ranks}: {'ok' if ok else 'FAILED ' + ', '.join(labels)}",
-                      flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+
+    def report(done: bool) -> dict:
+        result = dict(date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+                      command=" ".join([os.path.basename(sys.executable), *sys.argv]), cpus=os.cpu_count(),
+                      busy=args.busy, hours=round((time.time() - started) / 3600, 2), finished=done,
+                      counts=dict(sorted(counts.items())), failures=failures, commit=commit)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return result
+
+    def launches(tmp: str):
+        for i in range(args.launches):
+            ranks = 2 + i % 2
+            ok, labels, log = launch_once(ranks, Path(tmp), env, args.timeout)
+            counts[f"launch P{ranks} {'passed' if ok else 'failed'}"] += 1
+            for label in labels:
+                counts[f"launch: {label}"] += 1
+            if not ok:
+                path = logs / f"soak_launch_{i:03d}.log"
+                path.write_text(log)
+                failures.append(dict(run=f"launch {i} (P={ranks})", labels=labels, log=str(path)))
+            print(f"launch {i + 1}/{args.launches} P={ranks}: {'ok' if ok else 'FAILED ' + ', '.join(labels)}",
+                  flush=True)
+            report(False)
+
+    def suites():
         for i in range(args.suites):
             ok, labels, summary, log = suite_once(args.pytest_args.split(), env, args.timeout)
             counts[f"suite {'passed' if ok else 'failed'}"] += 1
@@ -121,18 +136,20 @@ def main(argv=None) -> int:
                 failures.append(dict(run=f"suite {i}", labels=labels, log=str(path), summary=summary))
             print(f"suite {i + 1}/{args.suites}: {summary or '?'} {'ok' if ok else 'FAILED ' + ', '.join(labels)}",
                   flush=True)
+            report(False)
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            env["DIFFUSERS_SP_CACHE"] = str(Path(tmp) / "cache")
+            if args.suites_first:
+                suites()
+            launches(tmp)
+            if not args.suites_first:
+                suites()
     finally:
         if busy is not None:
             busy.kill()
-    report = dict(date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-                  command=" ".join([os.path.basename(sys.executable), *sys.argv]), cpus=os.cpu_count(),
-                  busy=args.busy, hours=round((time.time() - started) / 3600, 2), counts=dict(sorted(counts.items())),
-                  failures=failures,
-                  commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                        text=True).stdout.strip())
-    print(json.dumps(report, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report(True), indent=1))
     return 0 if not failures else 1
 
 
