@@ -228,14 +228,27 @@ def read_traits(target) -> PipelineTraits:
 
 
 def _check_same_on_all_ranks(group: SPGroup, fingerprint: dict) -> None:
-    """Raises on every rank alike unless all ranks pass the same ``{what: value}`` (one all-gather)."""
+    """Raises on every rank alike unless all ranks pass the same ``{what: value}`` (one all-gather).
+
+    A rank whose own checks refused its settings passes ``{"refused": message}``; then every rank raises
+    that message (naming the ranks that refused, when not all did)."""
     if group.world_size == 1:
         return
     gathered = [None] * group.world_size
     dist.all_gather_object(gathered, fingerprint, group=group.group)
-    differ = [k for k in fingerprint if any(g[k] != gathered[0][k] for g in gathered)]
+    refusals = [(i, g["refused"]) for i, g in enumerate(gathered) if g.get("refused")]
+    if refusals:  # a rank that refused its settings sends only its refusal
+        texts = {text for _, text in refusals}
+        if len(refusals) == len(gathered) and len(texts) == 1:
+            raise SequenceParallelConfigError(texts.pop())
+        raise SequenceParallelConfigError(
+            "refused on some ranks: " + "; ".join(f"rank {i}: {text}" for i, text in refusals)
+            + (" (the other ranks' settings were valid: every rank must pass the same options)"
+               if len(refusals) < len(gathered) else ""))
+    keys = list(dict.fromkeys(k for g in gathered for k in g))
+    differ = [k for k in keys if any(g.get(k) != gathered[0].get(k) for g in gathered)]
     if differ:
-        detail = "; ".join(f"{k}: " + ", ".join(f"rank {i} {g[k]!r}" for i, g in enumerate(gathered))
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {i} {g.get(k)!r}" for i, g in enumerate(gathered))
                            for k in differ)
         raise SequenceParallelConfigError(
             "ranks disagree on the pipeline or mode to parallelize (every rank must load the same model "
@@ -552,61 +565,23 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     opts = dict(attention_kernel=attention_kernel, sp_transport=sp_transport, overlap_head_groups=overlap_head_groups,
                 overlap_query_projection=overlap_query_projection,
                 **{k: VSA_DEFAULTS[k] if v is None else v for k, v in given_vsa.items()})
-    _check_options(opts, parallel_vae)
-    family, models = resolve_target(target)
-    traits = PipelineTraits(name=type(target).__name__, family=family.name, is_video=family.is_video,
-                            models=tuple(family.model_traits(m, a) for a, m in models))
-    if getattr(target, _HANDLE_ATTR, None) is not None or any(getattr(m, _HANDLE_ATTR, None) for _, m in models):
-        raise SequenceParallelConfigError(
-            f"{traits.name}: sequence parallelism is already enabled; call disable_sequence_parallel() first.")
-    layout = _resolve_layout(target, traits, family, process_group, cfg_parallel, sp_degree)
-    host_size = _host_size(process_group)
-    resolved, ulysses = resolve_mode(mode, traits, layout.sp_degree, ulysses_degree=ulysses_degree,
-                                     host_size=host_size)
-    cfg_strategy = family.cfg_strategy if layout.cfg_degree == 2 else None
-    for _, model in models:
-        caches.check_no_diffusers_parallelism(model)
-        caches.CacheSupport(type(model).__name__, None, cfg_strategy=cfg_strategy).check(model.modules())
-    stray = sorted(k for k, v in given_vsa.items() if v is not None and resolved != "vsa")
-    if stray:
-        raise SequenceParallelConfigError(
-            f"{traits.name}: {', '.join(stray)} apply to mode='vsa' only, but the mode is {resolved!r} "
-            f"(from mode={mode!r}). Pass mode='vsa' or drop them.")
-    vsa, gate_error = _resolve_vsa(traits, family, layout, opts, ulysses_degree, host_size) if resolved == "vsa" \
-        else (None, None)
-    sp_mode = vsa["sp_mode"] if vsa else resolved
-    if vsa:
-        ulysses = vsa["ulysses_degree"]
-    if sp_mode == "hybrid" and opts["sp_transport"] == "copy_engine" and layout.sp_degree > 1:
-        raise _hybrid_copy_engine_refusal(traits)  # before any collective
-    if sp_mode == "hybrid" and process_group is not None:
-        raise SequenceParallelConfigError(
-            f"{traits.name}: mode='hybrid' builds its Ulysses and K/V-gather groups from the whole launch; pass "
-            f"process_group=None with it (sp_degree makes smaller sequence-parallel groups), or use "
-            f"mode='ulysses' / 'kv_gather' over the process_group.")
-    if parallel_vae:
-        from .vae import check_parallel_vae
-
-        check_parallel_vae(target, models)
-
-    # What every rank of the launch must agree on, checked over the whole launch (or the passed
-    # process_group) before the replica/CFG/SP sub-groups are built: building them is itself a
-    # collective over the launch, which ranks with different layouts would enter with different
-    # arguments and never leave.
-    agree = {
-        "model": traits.fingerprint(), "mode": resolved, "attention_kernel": opts["attention_kernel"],
-        "sp_transport": opts["sp_transport"], "overlap_head_groups": opts["overlap_head_groups"],
-        "overlap_query_projection": opts["overlap_query_projection"],
-        "vsa": None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"], opts["vsa_gate_weights"] is not None),
-        "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
-        "ulysses_degree": ulysses,
-        "parallel_vae": bool(parallel_vae),
-        "hooks (caches, offloading, ...)": [caches.describe(model.modules()) for _, model in models],
-        "vsa_gate_weights (read)": "ok" if gate_error is None else f"failed: {gate_error}"}
+    # Every check that needs no other rank runs first. A rank whose settings are refused takes part in
+    # the agreement below with its refusal, so that ranks launched with different settings (one rank's
+    # refused, the others' valid) all raise the same error instead of waiting for the refused one.
+    try:
+        plan = _plan(target, mode, process_group, cfg_parallel, sp_degree, ulysses_degree, parallel_vae, opts,
+                     given_vsa)
+        agree = dict(plan.agree, refused=None)
+    except SequenceParallelConfigError as exc:
+        plan, agree = exc, {"refused": str(exc)}
     launch = resolve_group(process_group)
     _check_same_on_all_ranks(launch, agree)
-    if gate_error is not None:
-        raise gate_error
+    if isinstance(plan, SequenceParallelConfigError):
+        raise plan
+    family, models, traits, layout = plan.family, plan.models, plan.traits, plan.layout
+    resolved, ulysses, vsa, sp_mode = plan.resolved, plan.ulysses, plan.vsa, plan.sp_mode
+    if plan.gate_error is not None:
+        raise plan.gate_error
     hybrid = sp_mode == "hybrid"
     if layout.trivial and not hybrid:
         group, pgroups = launch, None
@@ -647,6 +622,90 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                     handle.attention_kernel,
                     f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")
     return handle
+
+
+@dataclass
+class _Plan:
+    """What :func:`enable_sequence_parallel` settles on one rank before any collective."""
+
+    family: object
+    models: list
+    traits: PipelineTraits
+    layout: object
+    resolved: str
+    ulysses: int
+    vsa: dict | None
+    sp_mode: str
+    gate_error: Exception | None
+    agree: dict
+
+
+def _plan(target, mode, process_group, cfg_parallel, sp_degree, ulysses_degree, parallel_vae, opts,
+          given_vsa) -> _Plan:
+    """The checks and choices of :func:`enable_sequence_parallel` that need no other rank (pure apart from
+    reading ``vsa_gate_weights``); raises SequenceParallelConfigError for a setting it refuses."""
+    _check_options(opts, parallel_vae)
+    family, models = resolve_target(target)
+    traits = PipelineTraits(name=type(target).__name__, family=family.name, is_video=family.is_video,
+                            models=tuple(family.model_traits(m, a) for a, m in models))
+    if getattr(target, _HANDLE_ATTR, None) is not None or any(getattr(m, _HANDLE_ATTR, None) for _, m in models):
+        raise SequenceParallelConfigError(
+            f"{traits.name}: sequence parallelism is already enabled; call disable_sequence_parallel() first.")
+    layout = _resolve_layout(target, traits, family, process_group, cfg_parallel, sp_degree)
+    host_size = _host_size(process_group)
+    resolved, ulysses = resolve_mode(mode, traits, layout.sp_degree, ulysses_degree=ulysses_degree,
+                                     host_size=host_size)
+    # The hybrid mode builds its groups from the whole launch and moves tensors with the collectives, so
+    # where the user passed a process_group or asked for the copy engines, "auto" falls back to
+    # K/V-gather (no constraint on heads) instead of choosing a mode that is then refused.
+    hybrid_blocked = process_group is not None or opts["sp_transport"] == "copy_engine"
+    if resolved == "hybrid" and mode == "auto" and ulysses_degree is None and hybrid_blocked:
+        resolved, ulysses = "kv_gather", 1
+    cfg_strategy = family.cfg_strategy if layout.cfg_degree == 2 else None
+    for _, model in models:
+        caches.check_no_diffusers_parallelism(model)
+        caches.CacheSupport(type(model).__name__, None, cfg_strategy=cfg_strategy).check(model.modules())
+    stray = sorted(k for k, v in given_vsa.items() if v is not None and resolved != "vsa")
+    if stray:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: {', '.join(stray)} apply to mode='vsa' only, but the mode is {resolved!r} "
+            f"(from mode={mode!r}). Pass mode='vsa' or drop them.")
+    vsa, gate_error = _resolve_vsa(traits, family, layout, opts, ulysses_degree, host_size) if resolved == "vsa" \
+        else (None, None)
+    if vsa and vsa["sp_mode"] == "hybrid" and opts["vsa_sp_mode"] == "auto" and ulysses_degree is None \
+            and hybrid_blocked:
+        vsa["sp_mode"], vsa["ulysses_degree"] = "kv_gather", 1
+    sp_mode = vsa["sp_mode"] if vsa else resolved
+    if vsa:
+        ulysses = vsa["ulysses_degree"]
+    if sp_mode == "hybrid" and opts["sp_transport"] == "copy_engine" and layout.sp_degree > 1:
+        raise _hybrid_copy_engine_refusal(traits)  # before any collective
+    if sp_mode == "hybrid" and process_group is not None:
+        raise SequenceParallelConfigError(
+            f"{traits.name}: mode='hybrid' builds its Ulysses and K/V-gather groups from the whole launch; pass "
+            f"process_group=None with it (sp_degree makes smaller sequence-parallel groups), or use "
+            f"mode='ulysses' / 'kv_gather' over the process_group.")
+    if parallel_vae:
+        from .vae import check_parallel_vae
+
+        check_parallel_vae(target, models)
+
+    # What every rank of the launch must agree on, checked over the whole launch (or the passed
+    # process_group) before the replica/CFG/SP sub-groups are built: building them is itself a
+    # collective over the launch, which ranks with different layouts would enter with different
+    # arguments and never leave.
+    agree = {
+        "model": traits.fingerprint(), "mode": resolved, "attention_kernel": opts["attention_kernel"],
+        "sp_transport": opts["sp_transport"], "overlap_head_groups": opts["overlap_head_groups"],
+        "overlap_query_projection": opts["overlap_query_projection"],
+        "vsa": None if vsa is None else (vsa["sparsity"], vsa["tile"], vsa["sp_mode"], opts["vsa_gate_weights"] is not None),
+        "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
+        "ulysses_degree": ulysses,
+        "parallel_vae": bool(parallel_vae),
+        "hooks (caches, offloading, ...)": [caches.describe(model.modules()) for _, model in models],
+        "vsa_gate_weights (read)": "ok" if gate_error is None else f"failed: {gate_error}"}
+    return _Plan(family=family, models=models, traits=traits, layout=layout, resolved=resolved, ulysses=ulysses,
+                 vsa=vsa, sp_mode=sp_mode, gate_error=gate_error, agree=agree)
 
 
 def _check_options(opts: dict, parallel_vae) -> None:

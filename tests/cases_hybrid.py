@@ -317,6 +317,40 @@ def case_errors():
     }
 
 
+def case_auto_falls_back_where_hybrid_cannot_run():
+    """Fewer heads than ranks makes "auto" choose hybrid, which builds its groups from the whole launch and
+    uses the collectives: with a process_group of the user's or the copy engines asked for, "auto" (and
+    VSA's vsa_sp_mode="auto") runs K/V-gather instead of choosing a mode it then refuses."""
+    model = tiny_wan_transformer(num_attention_heads=2)
+    kwargs = _wan_kwargs()
+    out = {}
+    with torch.no_grad():
+        ref = model(**kwargs).sample
+        for name, opts in (("process_group", dict(mode="auto", process_group=dist.group.WORLD)),
+                           ("vsa_process_group", dict(mode="vsa", vsa_tile_size=(1, 2, 2), vsa_sparsity=0.0,
+                                                      process_group=dist.group.WORLD))):
+            handle = enable_sequence_parallel(model, **opts)
+            try:
+                out[name] = dict(sp_mode=handle.sp_mode, ulysses=handle.ulysses_degree)
+                if name == "process_group":
+                    out[name].update(compare(ref, model(**kwargs).sample))
+            finally:
+                handle.disable()
+        out["copy_engine"] = error_of(lambda: enable_sequence_parallel(model, sp_transport="copy_engine").disable())
+    return out
+
+
+def case_refused_on_one_rank_alike_everywhere():
+    """A setting refused on one rank only (rank 0 passes ulysses_degree=5, which divides neither 4 nor 6;
+    the others a valid 2) gives every rank the same error, instead of leaving the others waiting."""
+    model = tiny_wan_transformer()
+    bad = 5 if dist.get_rank() == 0 else 2
+    msg = error_of(lambda: enable_sequence_parallel(model, mode="hybrid", ulysses_degree=bad))
+    group_ok = torch.ones(1)
+    dist.all_reduce(group_ok)  # the group is still usable afterwards
+    return {"error": msg, "sum": group_ok.item()}
+
+
 # ------------------------------------------------------------------ CFG parallelism and replicas (world 8)
 
 

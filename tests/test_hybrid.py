@@ -234,3 +234,22 @@ def test_bad_ulysses_degree_refused(mode, heads, u, needle):
     with pytest.raises(SequenceParallelConfigError) as err:
         resolve_mode(mode, _traits(heads), 4, ulysses_degree=u)
     assert needle in str(err.value), str(err.value)
+
+
+def test_auto_falls_back_where_hybrid_cannot_run(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "auto_falls_back_where_hybrid_cannot_run")):
+        assert v["process_group"]["sp_mode"] == "kv_gather" and v["process_group"]["ulysses"] == 1, v
+        assert_close(v["process_group"], f"P={P} rank {rank} auto with a process_group")
+        assert v["vsa_process_group"] == dict(sp_mode="kv_gather", ulysses=1), v
+        # On CPU the copy engines are refused for their own reason (they need CUDA), not for hybrid.
+        assert "hybrid" not in v["copy_engine"], v["copy_engine"]
+
+
+def test_refused_on_one_rank_alike_everywhere(results):
+    P, res = results
+    per_rank = values(res, "refused_on_one_rank_alike_everywhere")
+    msgs = [v["error"] for v in per_rank]
+    assert len(set(msgs)) == 1, msgs
+    assert "rank 0" in msgs[0] and "ulysses_degree=5" in msgs[0], msgs[0]
+    assert all(v["sum"] == P for v in per_rank)

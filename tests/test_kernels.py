@@ -43,6 +43,11 @@ def _choose(requested="auto", device_type="cuda", capability=H200, dtype=BF16, h
     ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "mask": "key_padding"}, "sdpa"),
     ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "dtype": F32}, "sdpa"),
     ({"compiling": True}, "sdpa"),                          # CuTe DSL kernels do not trace
+    ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "capability": B200}, "sdpa"),  # FA3: sm90 only
+    ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "capability": (8, 6)}, "sdpa"),
+    ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "capability": (12, 0), "requested": "flash_attn"}, "sdpa"),
+    ({"fa4_installed": False, "legacy_flash": "flash_attn_2", "capability": B200, "requested": "flash_attn"}, "sdpa"),
+    ({"fa4_installed": False, "legacy_flash": "flash_attn_2", "capability": (8, 9)}, "flash_attn_2"),
     ({"compiling": True, "fa4_installed": False, "legacy_flash": "flash_attn_3"}, "sdpa"),
 ])
 def test_kernel_choice(kwargs, name):
@@ -75,12 +80,22 @@ def test_unknown_kernel_is_refused():
 
 
 @pytest.mark.parametrize("shape,expected", [
-    ((2, 1, 1, 7), "key_padding"), ((2, 7), "key_padding"), ((1, 1, 1, 7), "key_padding"),
-    ((2, 3, 1, 7), "other"), ((2, 1, 5, 7), "other"), ((3, 1, 1, 7), "other")])
+    ((2, 1, 1, 7), "key_padding"), ((1, 7), "key_padding"), ((7,), "key_padding"), ((1, 1, 1, 7), "key_padding"),
+    ((2, 3, 1, 7), "other"), ((2, 1, 5, 7), "other"), ((3, 1, 1, 7), "other"),
+    ((2, 7), "other"),         # SDPA reads a 2-D mask as [Sq, Sk]: it varies over the queries
+    ((2, 1, 1, 1), "other")])  # broadcast over the keys: not one value per key
 def test_mask_kind(shape, expected):
     assert sdpa.mask_kind(torch.ones(shape, dtype=torch.bool), 2, 7) == expected
     assert sdpa.mask_kind(torch.zeros(shape), 2, 7) == "other"  # additive float masks stay on SDPA
     assert sdpa.mask_kind(None, 2, 7) is None
+
+
+def test_masks_that_broadcast_over_keys_stay_on_sdpa():
+    """A [B, 1, 1, 1] mask broadcasts one value over every key: SDPA's semantics, not a key padding mask."""
+    q, k = torch.zeros(2, 3, 5, 16), torch.zeros(2, 3, 7, 16)
+    mask = torch.tensor([True, False]).view(2, 1, 1, 1)
+    assert sdpa.mask_kind(mask, 2, 7) == "other"
+    assert fa4.key_padding_rows(mask, 2, 7) is None
 
 
 def test_cpu_runs_sdpa_and_matches_it():
@@ -90,7 +105,7 @@ def test_cpu_runs_sdpa_and_matches_it():
     mask = torch.tensor([[True] * 7, [True, False, True, True, False, True, False]])[:, None, None, :]
     k7, v7 = torch.randn(2, 3, 7, 16, generator=g), torch.randn(2, 3, 7, 16, generator=g)
     for kernel in sdpa.KERNELS:
-        assert sdpa.kernel_for(q, None, kernel) == KernelChoice("sdpa", sdpa.kernel_for(q, None, kernel).reason)
+        assert sdpa.kernel_for(q, k, None, kernel) == KernelChoice("sdpa", sdpa.kernel_for(q, k, None, kernel).reason)
         torch.testing.assert_close(local_attention(q, k, v, kernel=kernel), F.scaled_dot_product_attention(q, k, v))
         torch.testing.assert_close(local_attention(q, k7, v7, attn_mask=mask, kernel=kernel),
                                    F.scaled_dot_product_attention(q, k7, v7, attn_mask=mask))
@@ -128,7 +143,7 @@ def test_fa4_dense_matches_sdpa_cuda(dtype, sq, sk, head_dim):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 6, sq, head_dim, generator=g).to("cuda", dtype)
     k, v = (torch.randn(2, 6, sk, head_dim, generator=g).to("cuda", dtype) for _ in range(2))
-    assert sdpa.kernel_for(q, None, "auto").name == "flash_attn_4"
+    assert sdpa.kernel_for(q, k, None, "auto").name == "flash_attn_4"
     out = local_attention(q, k, v, scale=0.1)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.1)
     assert out.shape == q.shape and out.dtype == dtype
@@ -146,7 +161,7 @@ def test_fa4_key_padding_mask_matches_sdpa_cuda(mask_shape):
     keep = torch.rand(batch, sk, generator=g) < torch.tensor([[0.9], [0.3], [0.6]])
     keep[:, 0] = True
     mask = (keep[:, None, None, :] if mask_shape == "b11s" else keep).to("cuda")
-    assert sdpa.kernel_for(q, mask, "auto").name == "flash_attn_4"
+    assert sdpa.kernel_for(q, k, mask, "auto").name == "flash_attn_4"
     out = local_attention(q, k, v, attn_mask=mask)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep[:, None, None, :].to("cuda"))
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

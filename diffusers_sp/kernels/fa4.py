@@ -98,18 +98,23 @@ def fa4_unsupported_reason(device_type: str, capability: tuple[int, int] | None,
 def key_padding_rows(attn_mask: torch.Tensor | None, batch: int, num_keys: int) -> torch.Tensor | None:
     """The ``[B, Sk]`` boolean key padding mask inside an attention mask, or None if it is not one.
 
-    A key padding mask is boolean and the same for every head and query: shape ``[B, 1, 1, Sk]``
-    (or ``[B, Sk]``, or a batch of 1 that broadcasts). Float (additive) masks and masks that vary over
-    heads or queries return None: only SDPA runs those.
+    A key padding mask is boolean and the same for every head and query: shape ``[B, 1, 1, Sk]`` or
+    ``[1, 1, 1, Sk]``, or ``[1, Sk]`` / ``[Sk]`` (SDPA reads a 2-D mask as ``[Sq, Sk]``, so a 2-D mask
+    is one only with a single row). Float (additive) masks and masks that vary over heads or queries
+    return None: only SDPA runs those.
     """
-    if attn_mask is None or attn_mask.dtype != torch.bool:
+    if attn_mask is None or attn_mask.dtype != torch.bool or attn_mask.shape[-1] != num_keys:
         return None
     mask = attn_mask
     if mask.dim() == 4:
-        if mask.shape[1] != 1 or mask.shape[2] != 1:
+        if mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[0] not in (1, batch):
             return None
         mask = mask[:, 0, 0]
-    if mask.dim() != 2 or mask.shape[-1] != num_keys or mask.shape[0] not in (1, batch):
+    elif mask.dim() in (1, 2):
+        if mask.dim() == 2 and mask.shape[0] != 1:
+            return None
+        mask = mask.reshape(1, num_keys)
+    else:
         return None
     return mask.expand(batch, num_keys)
 

@@ -7,7 +7,7 @@ communication. :func:`choose_kernel` picks the kernel for those tensors:
   sm100, bfloat16 or float16, a head dim it supports); boolean key padding masks go through its varlen
   entry. On an H200 it ran the Wan per-rank shapes 1.17-1.23x faster than cuDNN (benchmarks/RESULTS.md).
 * FlashAttention-3 / -2 (``flash_attn_interface`` / ``flash_attn``) when asked for, or FA3 under
-  ``"auto"`` where FA4 is absent; unmasked inputs only.
+  ``"auto"`` where FA4 is absent; unmasked inputs only, FA3 on Hopper, FA2 on sm80-sm90.
 * ``torch.nn.functional.scaled_dot_product_attention`` otherwise, with cuDNN first on CUDA (on H100/H200
   at DiT shapes it measured ~590 TFLOP/s against ~360 for SDPA's flash backend). Float masks, masks
   that vary over heads or queries, float32 and CPU tensors always run here.
@@ -105,8 +105,11 @@ def choose_kernel(requested: str, *, device_type: str, capability: tuple[int, in
         reason = "the mask is not a boolean key padding mask (FlashAttention-4 takes those through varlen)"
     if reason is None:
         return KernelChoice("flash_attn_4", "key padding mask through FA4's varlen entry" if mask else "")
-    legacy_fits = (legacy_flash is not None and mask is None and device_type == "cuda" and not compiling
-                   and dtype in fa4.FA4_DTYPES and head_dim <= 256 and head_dim % 8 == 0)
+    # FA3's kernels are Hopper's (sm90) only; FA2's run on Ampere, Ada and Hopper (sm80-sm90).
+    arch = capability[0] if capability is not None else None
+    legacy_arch_ok = arch == 9 if legacy_flash == "flash_attn_3" else arch in (8, 9)
+    legacy_fits = (legacy_flash is not None and legacy_arch_ok and mask is None and device_type == "cuda"
+                   and not compiling and dtype in fa4.FA4_DTYPES and head_dim <= 256 and head_dim % 8 == 0)
     if legacy_fits and (requested == "flash_attn" or legacy_flash == "flash_attn_3"
                         or (capability is not None and capability[0] < 9)):
         # Under "auto", FA2 runs only before Hopper: on Hopper SDPA's cuDNN backend is faster than FA2.
@@ -121,12 +124,11 @@ def mask_kind(attn_mask: torch.Tensor | None, batch: int, num_keys: int) -> str 
     return "key_padding" if fa4.key_padding_rows(attn_mask, batch, num_keys) is not None else "other"
 
 
-def kernel_for(q: torch.Tensor, attn_mask: torch.Tensor | None, requested: str) -> KernelChoice:
-    """:func:`choose_kernel` for actual tensors: ``q`` ``[B, H, Sq, D]`` and a mask for ``Sk`` keys."""
+def kernel_for(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, requested: str) -> KernelChoice:
+    """:func:`choose_kernel` for actual tensors: ``q`` ``[B, H, Sq, D]``, ``k`` ``[B, H, Sk, D]`` and a mask."""
     legacy = _legacy_flash_attn()
-    num_keys = attn_mask.shape[-1] if attn_mask is not None else 0
     return choose_kernel(requested, device_type=q.device.type, capability=fa4.device_capability(q.device),
-                         dtype=q.dtype, head_dim=q.shape[-1], mask=mask_kind(attn_mask, q.shape[0], num_keys),
+                         dtype=q.dtype, head_dim=q.shape[-1], mask=mask_kind(attn_mask, q.shape[0], k.shape[2]),
                          fa4_installed=fa4.fa4_installed(), legacy_flash=None if legacy is None else legacy[1],
                          compiling=torch.compiler.is_compiling())
 
@@ -155,7 +157,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_m
     Raises:
         ValueError: unknown ``kernel``; RuntimeError from the kernel for unsupported inputs.
     """
-    choice = kernel_for(q, attn_mask, kernel)
+    choice = kernel_for(q, k, attn_mask, kernel)
     if kernel == "flash_attn" and choice.reason and choice.name == "sdpa":
         _log_fallback(kernel, choice)
     if choice.name == "flash_attn_4":
