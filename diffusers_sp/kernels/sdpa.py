@@ -157,6 +157,12 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_m
     Raises:
         ValueError: unknown ``kernel``; RuntimeError from the kernel for unsupported inputs.
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: SDPA, decided without the package and device look-ups (each would
+        # break the graph), since FA4's CuTe DSL kernels do not trace (choose_kernel's "compiling").
+        return _sdpa(q, k, v, attn_mask, scale)
     choice = kernel_for(q, k, attn_mask, kernel)
     if kernel == "flash_attn" and choice.reason and choice.name == "sdpa":
         _log_fallback(kernel, choice)
@@ -169,6 +175,11 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_m
         out = _legacy_flash_attn()[0](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(1, 2)
+    return _sdpa(q, k, v, attn_mask, scale)
+
+
+def _sdpa(q, k, v, attn_mask, scale):
+    """SDPA, with cuDNN first on CUDA."""
     if q.is_cuda:
         with sdpa_kernel(_CUDA_PRIORITY, set_priority=True):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
