@@ -151,16 +151,19 @@ def test_fa4_dense_matches_sdpa_cuda(dtype, sq, sk, head_dim):
 
 
 @needs_fa4
-@pytest.mark.parametrize("mask_shape", ["b11s", "bs"])
+@pytest.mark.parametrize("mask_shape", ["b11s", "111s", "1s"])
 def test_fa4_key_padding_mask_matches_sdpa_cuda(mask_shape):
-    """Ragged text: each batch row keeps a different, non-prefix set of keys (varlen entry)."""
+    """Ragged text: each batch row keeps a different, non-prefix set of keys (varlen entry); and one row of
+    keys shared by the batch ([1, 1, 1, Sk] and [1, Sk], which SDPA broadcasts)."""
     g = torch.Generator().manual_seed(2)
     batch, heads, sq, sk, d = 3, 4, 300, 517, 128
     q = torch.randn(batch, heads, sq, d, generator=g).to("cuda", BF16)
     k, v = (torch.randn(batch, heads, sk, d, generator=g).to("cuda", BF16) for _ in range(2))
     keep = torch.rand(batch, sk, generator=g) < torch.tensor([[0.9], [0.3], [0.6]])
     keep[:, 0] = True
-    mask = (keep[:, None, None, :] if mask_shape == "b11s" else keep).to("cuda")
+    if mask_shape != "b11s":
+        keep = keep[:1]
+    mask = (keep if mask_shape == "1s" else keep[:, None, None, :]).to("cuda")
     assert sdpa.kernel_for(q, k, mask, "auto").name == "flash_attn_4"
     out = local_attention(q, k, v, attn_mask=mask)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep[:, None, None, :].to("cuda"))
