@@ -133,17 +133,13 @@ class SequenceParallelHandle:
         Returns:
             A :class:`~diffusers_sp.kernels.sdpa.KernelChoice` (``name`` and the ``reason`` for a fallback).
         """
-        from .kernels import fa4
-        from .kernels.sdpa import _legacy_flash_attn, choose_kernel
+        from .kernels.sdpa import kernel_on
 
         model = self._models[0].model if self._models else None
         param = next(model.parameters(), None) if model is not None else None
         device = param.device if param is not None else torch.device("cpu")
         dtype = param.dtype if param is not None else torch.float32
-        legacy = _legacy_flash_attn()
-        return choose_kernel(self.requested_kernel, device_type=device.type, capability=fa4.device_capability(device),
-                             dtype=dtype, head_dim=self.traits.models[0].head_dim, mask=None,
-                             fa4_installed=fa4.fa4_installed(), legacy_flash=None if legacy is None else legacy[1])
+        return kernel_on(self.requested_kernel, device, dtype, self.traits.models[0].head_dim)
 
     @property
     def attention_kernel(self) -> str:

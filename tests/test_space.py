@@ -76,7 +76,7 @@ def test_space_returns_a_video(tmp_path):
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # our own session only
+                os.killpg(proc.pid, signal.SIGKILL)  # the server's own process group only
                 proc.wait()
         log.close()
     assert worker_pids, (tmp_path / "app.log").read_text()[-3000:]

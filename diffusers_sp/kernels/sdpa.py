@@ -124,13 +124,19 @@ def mask_kind(attn_mask: torch.Tensor | None, batch: int, num_keys: int) -> str 
     return "key_padding" if fa4.key_padding_rows(attn_mask, batch, num_keys) is not None else "other"
 
 
+def kernel_on(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, mask: str | None = None,
+              compiling: bool = False) -> KernelChoice:
+    """:func:`choose_kernel` for a device, with the installed packages and the device's capability looked up."""
+    legacy = _legacy_flash_attn()
+    return choose_kernel(requested, device_type=device.type, capability=fa4.device_capability(device), dtype=dtype,
+                         head_dim=head_dim, mask=mask, fa4_installed=fa4.fa4_installed(),
+                         legacy_flash=None if legacy is None else legacy[1], compiling=compiling)
+
+
 def kernel_for(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, requested: str) -> KernelChoice:
     """:func:`choose_kernel` for actual tensors: ``q`` ``[B, H, Sq, D]``, ``k`` ``[B, H, Sk, D]`` and a mask."""
-    legacy = _legacy_flash_attn()
-    return choose_kernel(requested, device_type=q.device.type, capability=fa4.device_capability(q.device),
-                         dtype=q.dtype, head_dim=q.shape[-1], mask=mask_kind(attn_mask, q.shape[0], k.shape[2]),
-                         fa4_installed=fa4.fa4_installed(), legacy_flash=None if legacy is None else legacy[1],
-                         compiling=torch.compiler.is_compiling())
+    return kernel_on(requested, q.device, q.dtype, q.shape[-1], mask_kind(attn_mask, q.shape[0], k.shape[2]),
+                     compiling=torch.compiler.is_compiling())
 
 
 @functools.lru_cache(maxsize=None)
