@@ -3,6 +3,12 @@
 Public API only; see README.md.
 """
 
+# Before anything imports Diffusers: its import warnings about a torchao without compiled extensions
+# are dropped (see diffusers_sp.import_noise).
+from . import import_noise as _import_noise
+
+_import_noise.install()
+
 from .api import SequenceParallelHandle, disable_sequence_parallel, enable_sequence_parallel
 from .processors import KVGatherAttnProcessor, UlyssesAttnProcessor, VideoSparseAttnProcessor
 from .traits import ModelTraits, PipelineTraits

@@ -536,15 +536,19 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         vsa_sparsity: ``mode="vsa"`` only: fraction of key tiles skipped, in ``[0, 1)``; ``None``: 0.9.
         vsa_tile_size: ``mode="vsa"`` only: the tile, in latent patches, frames first; ``None``:
             ``(4, 4, 4)``.
-        vsa_sp_mode: ``mode="vsa"`` only: the communication underneath, ``"auto"`` (``None``),
-            ``"ulysses"`` or ``"kv_gather"``.
+        vsa_sp_mode: ``mode="vsa"`` only: the communication underneath, ``"auto"`` (``None``; the
+            rule of ``mode="auto"``), ``"ulysses"``, ``"kv_gather"`` or ``"hybrid"`` (with
+            ``ulysses_degree``).
         vsa_gate_weights: ``mode="vsa"`` only: path of a safetensors file or folder with
             ``blocks.{i}.to_gate_compress.{weight,bias}`` (a dict ``{attribute: path}`` for a pipeline
             with several transformers); ``None``: zero gate.
 
     Returns:
         A :class:`SequenceParallelHandle` with ``mode``, ``sp_mode``, ``ulysses_degree``,
-        ``kv_gather_degree``, ``transport``, ``rank``, ``world_size`` and ``disable()``.
+        ``kv_gather_degree``, ``transport``, ``attention_kernel``, ``rank`` and ``world_size`` (in the
+        sequence-parallel group), ``replica_index`` and ``num_replicas`` (see ``sp_degree``),
+        ``cfg_rank`` and ``cfg_degree``, ``is_output_rank`` (the one rank of each replica that should
+        write its outputs) and ``disable()``.
 
     Raises:
         SequenceParallelConfigError: a target holding no transformer diffusers-sp runs, an unknown

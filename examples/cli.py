@@ -11,13 +11,17 @@ destroyed before Python exits (:func:`diffusers_sp.groups.destroy_process_groups
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import logging
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+import diffusers_sp  # noqa: F401  (first: it drops torchao's import warnings before Diffusers loads)
 
 
 def launch_rank() -> int:
@@ -197,6 +201,28 @@ def finish(ok: bool, group, device) -> int:
         ok = bool(status.item())
     destroy_process_groups(barrier=True)
     return 0 if ok else 1
+
+
+def one_process_note(world_size: int, script: str) -> str | None:
+    """The line printed when a run has one process (plain ``python script.py``, or a launch of one):
+    nothing is split, and how to start several; ``None`` with more than one process."""
+    if world_size > 1:
+        return None
+    return (f"note: one process, so nothing is split; start several with `accelerate launch --config_file "
+            f"examples/accelerate_cpu.yaml --num_processes 2 {script}` (or torchrun --nproc-per-node 2)")
+
+
+@contextlib.contextmanager
+def quiet_enable():
+    """Inside it, ``enable_sequence_parallel`` logs no header: the ``--check`` reference re-enables VSA
+    on a one-rank group after the run's own header was printed."""
+    log = logging.getLogger("diffusers_sp")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def layout_line(handle) -> str:

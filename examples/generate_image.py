@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli import (ArgumentParser, FlagError, add_run_flags, check_run_flags, checked_output as _checked_output,  # noqa: E402
-                 compare, finish, layout_line, output_path, quiet_other_ranks, read_prompts, run)
+                 compare, finish, layout_line, one_process_note, output_path, quiet_other_ranks,
+                 read_prompts, run)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 #: Size of the built-in tiny Flux pipeline's images (its VAE does not downsample): 20 x 28 tokens.
@@ -167,6 +168,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR, format="%(message)s")
     quiet_other_ranks(rank)
     log = logging.getLogger("generate_image")
+    note = one_process_note(group.world_size, "examples/generate_image.py")
+    if note and rank == 0:
+        print(note, flush=True)
 
     pipe = load_pipeline(args.model, dtype, rank).to(device)
     pipe.set_progress_bar_config(disable=rank != 0)

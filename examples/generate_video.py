@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli import (ArgumentParser, FlagError, add_run_flags, check_run_flags, checked_output as _checked_output,  # noqa: E402
-                 compare, finish, layout_line, output_path, quiet_other_ranks, read_prompts, run)
+                 compare, finish, layout_line, one_process_note, output_path, quiet_enable, quiet_other_ranks,
+                 read_prompts, run)
 
 # Diffusers' export_to_video always encodes H.264 (libx264), which these containers take; WebM does
 # not (it wants VP8/VP9/AV1), so .webm is not offered.
@@ -132,6 +133,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR, format="%(message)s")
     quiet_other_ranks(rank)
     log = logging.getLogger("generate_video")
+    note = one_process_note(group.world_size, "examples/generate_video.py")
+    if note and rank == 0:
+        print(note, flush=True)
 
     pipe = load_pipeline(args.model, dtype, rank).to(device)
     pipe.set_progress_bar_config(disable=rank != 0)
@@ -179,7 +183,8 @@ def _single_process(pipe, args, solo_groups) -> None:
     disable_sequence_parallel(pipe)
     if args.mode == "vsa":
         solo = solo_groups[dist.get_rank()] if solo_groups else None
-        enable_sequence_parallel(pipe, mode="vsa", process_group=solo, vsa_sparsity=args.vsa_sparsity)
+        with quiet_enable():  # the run's header is printed already
+            enable_sequence_parallel(pipe, mode="vsa", process_group=solo, vsa_sparsity=args.vsa_sparsity)
     if args.parallel_vae:  # the parallel decode equals the single-process *tiled* decode
         pipe.vae.enable_tiling()
     # Every rank makes its reference; the bar shows on rank 0 only, as for the generation.

@@ -217,3 +217,19 @@ def test_processor_replaced_after_enable_raises(results):
         assert_close(v["after_disable"], f"P={P} rank {rank}: after disable, fused")
         assert_close(v["after_unfuse"], f"P={P} rank {rank}: after disable, unfused")
         assert v["leftover"] == [], v["leftover"]
+
+
+def test_helios_pyramid_block_noise_is_drawn():
+    """The tiny HeliosPyramidPipeline's block noise (a float32 Cholesky factorisation of
+    ``(1 + gamma) I - gamma 11^T``) is drawn on any CPU and BLAS build: with the scheduler's default
+    ``gamma = 1/3`` that covariance is singular and the factorisation failed on some machines."""
+    import torch
+
+    from families import helios
+
+    pipe = helios.tiny_helios_pyramid_pipeline()
+    gamma = pipe.scheduler.config.gamma
+    cov = torch.eye(4) * (1 + gamma) - torch.ones(4, 4) * gamma
+    assert torch.linalg.eigvalsh(cov).min() > 0.1
+    noise = pipe.sample_block_noise(1, 4, 2, 4, 6, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(noise).all()
