@@ -12,7 +12,7 @@ _import_noise.install()
 from .api import SequenceParallelHandle, disable_sequence_parallel, enable_sequence_parallel
 from .processors import KVGatherAttnProcessor, UlyssesAttnProcessor, VideoSparseAttnProcessor
 from .traits import ModelTraits, PipelineTraits
-from .validation import SequenceParallelConfigError
+from .errors import SequenceParallelConfigError
 
 __version__ = "0.1.0"
 

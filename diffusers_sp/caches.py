@@ -75,7 +75,7 @@ from diffusers.hooks.sea_cache import SeaCacheLeaderBlockHook, SeaCacheRootHook
 
 from .comm import all_gather_dim0, broadcast_tensor
 from .groups import SPGroup
-from .validation import SequenceParallelConfigError
+from .errors import SequenceParallelConfigError
 
 _MISSING = object()
 
@@ -239,7 +239,7 @@ class CacheSupport:
         group: The ranks that take one decision together (the sequence-parallel group, or the
             replica with batched CFG parallelism). At one rank nothing is adapted: the caches run
             exactly as Diffusers wrote them.
-        state: The model's :class:`~diffusers_sp.sharding.SequenceState` (its ``call``).
+        state: The model's :class:`~diffusers_sp.plan_entries.SequenceState` (its ``call``).
         cfg_strategy: ``None`` (no CFG parallelism), ``"two_call"`` or ``"batch"``.
     """
 

@@ -2,7 +2,7 @@
 
 All collectives are the functional ones of ``torch.distributed._functional_collectives`` (pure
 functions of tensors, which keeps ``torch.compile`` working); they run on NCCL (CUDA) and gloo (CPU).
-Sizes are balanced shards (see :func:`diffusers_sp.sharding.balanced_sizes`), so every rank knows
+Sizes are balanced shards (see :func:`diffusers_sp.shards.balanced_sizes`), so every rank knows
 every other rank's size without asking.
 """
 

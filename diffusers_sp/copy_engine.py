@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .groups import TIMEOUT_ENV, SPGroup
-from .sharding import balanced_sizes
+from .groups import TIMEOUT_ENV, SPGroup, register_teardown
+from .shards import balanced_sizes
 
 logger = logging.getLogger("diffusers_sp")
 
@@ -391,6 +391,7 @@ def symmetric_memory_bytes() -> int:
     return sum(ws.buffer.numel() for ws in _WORKSPACES.values())
 
 
+@register_teardown
 def release_workspaces(group: SPGroup | None = None) -> None:
     """Frees the symmetric buffers of ``group`` (``None``: of every group); the next call allocates again.
 

@@ -20,12 +20,13 @@ import atexit
 import gc
 import os
 from dataclasses import dataclass
+from typing import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .validation import SequenceParallelConfigError
+from .errors import SequenceParallelConfigError
 
 #: Environment variable: seconds a collective may wait before the group gives up (default 600).
 #: A failure on one rank then ends the others with an error instead of a hang.
@@ -171,6 +172,21 @@ def _end_at_exit() -> None:
         _AT_EXIT.append(atexit.register(destroy_process_groups))
 
 
+#: What :func:`destroy_process_groups` runs before the groups end, in order of registration. Modules
+#: above this one that hold resources tied to a group register here (:func:`register_teardown`), so
+#: that this module imports none of them.
+_TEARDOWNS: list[Callable[[], None]] = []
+
+
+def register_teardown(teardown: Callable[[], None]) -> Callable[[], None]:
+    """Adds ``teardown`` (no arguments; it must not run a collective) to what
+    :func:`destroy_process_groups` runs before destroying the groups; registering it again changes
+    nothing. Returns ``teardown``, so it can decorate a function."""
+    if teardown not in _TEARDOWNS:
+        _TEARDOWNS.append(teardown)
+    return teardown
+
+
 def destroy_process_groups(*, barrier: bool = False) -> None:
     """Ends the launch's process groups and joins their worker threads; safe to call more than once.
 
@@ -188,13 +204,12 @@ def destroy_process_groups(*, barrier: bool = False) -> None:
             this call, e.g. at the end of a successful run; an error path must not wait for ranks
             that may never come).
     """
-    from .copy_engine import release_workspaces  # here: copy_engine imports this module
-
     _PARALLEL_GROUPS.clear()
     if dist.is_available() and dist.is_initialized():
         if barrier:
             dist.barrier()
-        release_workspaces()  # symmetric buffers hold their group
+        for teardown in _TEARDOWNS:  # e.g. the copy engine's symmetric buffers, which hold their group
+            teardown()
         dist.destroy_process_group()
     gc.collect()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .validation import SequenceParallelConfigError
+from .errors import SequenceParallelConfigError
 
 
 @dataclass(frozen=True)

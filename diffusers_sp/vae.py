@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .groups import SPGroup
-from .sharding import balanced_sizes
-from .validation import SequenceParallelConfigError
+from .shards import balanced_sizes
+from .errors import SequenceParallelConfigError
 
 #: VAE classes whose tiled decode can be shared out.
 SUPPORTED_VAES = ("AutoencoderKLWan", "AutoencoderKLHunyuanVideo", "AutoencoderKLCogVideoX", "AutoencoderKLLTXVideo")

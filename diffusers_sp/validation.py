@@ -10,23 +10,17 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from .errors import SequenceParallelConfigError
+
 if TYPE_CHECKING:  # pragma: no cover
     from .traits import PipelineTraits
+
+__all__ = ["SequenceParallelConfigError"]  # re-exported: its home is diffusers_sp.errors
 
 #: Modes a user may ask for.
 KNOWN_MODES = ("auto", "ulysses", "kv_gather", "hybrid", "vsa")
 #: Sequence-parallel communication modes under VSA (``vsa_sp_mode``).
 VSA_SP_MODES = ("auto", "ulysses", "kv_gather", "hybrid")
-
-
-class SequenceParallelConfigError(ValueError):
-    """A mode, pipeline, model or option combination that cannot run exactly.
-
-    Raised by :func:`diffusers_sp.enable_sequence_parallel` before any collective, with the same
-    message on every rank, and by the processors during a forward when the model produces a shape
-    the sharding plan did not expect. The message names the pipeline or model, the conflicting
-    trait, and the modes (or settings) that would work.
-    """
 
 
 def ulysses_head_split_ok(num_heads: int, world_size: int) -> bool:
@@ -231,7 +225,8 @@ def validate_mode(mode: str, traits: "PipelineTraits", world_size: int, *, ulyss
 
 def validate_vsa(traits: "PipelineTraits", world_size: int, *, sparsity, tile_size, sp_mode: str,
                  has_latent_grid: bool, family_refusal: str = "", ulysses_degree: int | None = None,
-                 host_size: int | None = None) -> tuple[float, tuple[int, int, int], str, int]:
+                 host_size: int | None = None,
+                 grid_families: tuple[str, ...] = ()) -> tuple[float, tuple[int, int, int], str, int]:
     """Validates the options of ``mode="vsa"`` and resolves its communication mode.
 
     Args:
@@ -243,6 +238,8 @@ def validate_vsa(traits: "PipelineTraits", world_size: int, *, sparsity, tile_si
         has_latent_grid: Whether the family can read the latent grid of a forward call.
         family_refusal: The family's own reason why VSA cannot run on it (``""``: none).
         ulysses_degree, host_size: As in :func:`resolve_mode`, for the communication underneath.
+        grid_families: Names of the families whose latent grid can be read (named in the error for a
+            family that cannot; the caller passes them, so this module needs no family registry).
 
     Returns:
         ``(sparsity, tile_size, resolved sp_mode, its Ulysses degree)``.
@@ -266,9 +263,7 @@ def validate_vsa(traits: "PipelineTraits", world_size: int, *, sparsity, tile_si
     if family_refusal:
         raise SequenceParallelConfigError(f"{traits.name}: mode 'vsa' cannot run: {family_refusal}. {dense}")
     if not has_latent_grid:
-        from .pipelines import FAMILIES  # here: the registry imports this module
-
-        readable = ", ".join(f.name for f in FAMILIES if f.latent_grid is not None)
+        readable = ", ".join(grid_families)
         raise SequenceParallelConfigError(
             f"{traits.name}: mode 'vsa' needs the latent grid (frames, height, width) of each forward, which "
             f"diffusers-sp cannot read for this family yet (VSA runs on the families whose grid it reads: "

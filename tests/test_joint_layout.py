@@ -9,9 +9,10 @@ import torch
 
 from diffusers_sp import SequenceParallelConfigError, enable_sequence_parallel
 from diffusers_sp.pipelines import FAMILIES, family_for_model, plan_without, supported_models
-from diffusers_sp.processors.base import (full_sequence_mask, is_image_identity_mask, join_text_image,
+from diffusers_sp.processors.masks import (full_sequence_mask, is_image_identity_mask, join_text_image,
                                           normalize_key_padding_mask, query_rows, split_text_image,
                                           symmetric_padding_vector)
+from diffusers_sp.plan_entries import split_value
 from diffusers_sp.traits import ModelTraits, PipelineTraits
 from diffusers_sp.validation import choose_auto_mode, validate_mode
 
@@ -177,22 +178,22 @@ def test_prefix_count_gives_each_rank_its_part_or_refuses():
     """PrefixCount (HunyuanVideo token_replace's ``num_tokens``): each rank gets the leading tokens its
     shard holds; before any split, or with the tokens reordered (VSA tiles), it refuses alike."""
     from diffusers_sp.groups import SPGroup
-    from diffusers_sp.sharding import PrefixCount, SequenceSplitHook, SequenceState, TokenOrder
+    from diffusers_sp.plan_entries import PrefixCount, SequenceState
+    from diffusers_sp.shards import TokenOrder
 
     parts = []
     for rank in range(3):
         state = SequenceState(SPGroup(None, rank, 3, "gloo"), seq_len=11)  # shards 4, 4, 3
-        parts.append(SequenceSplitHook({"num_tokens": PrefixCount()}, state)._split_value(6, PrefixCount(), "n"))
+        parts.append(PrefixCount().split_value(state, 6, "n"))
     assert parts == [4, 2, 0]
     state = SequenceState(SPGroup(None, 0, 3, "gloo"))
-    hook = SequenceSplitHook({}, state)
     with pytest.raises(SequenceParallelConfigError, match="before any sequence tensor was split"):
-        hook._split_value(6, PrefixCount(), "n")
+        PrefixCount().split_value(state, 6, "n")
     state.seq_len = 11
     state.order = TokenOrder(torch.arange(11), torch.arange(11), (4, 4, 3))
     with pytest.raises(SequenceParallelConfigError, match="reordered"):
-        hook._split_value(6, PrefixCount(), "n")
-    assert hook._split_value(None, PrefixCount(), "n") is None
+        PrefixCount().split_value(state, 6, "n")
+    assert PrefixCount().split_value(state, None, "n") is None
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -225,7 +226,7 @@ def test_tail_count_is_each_ranks_share_of_the_last_tokens(world, count):
     with pytest.raises(SequenceParallelConfigError, match="inputs disagree"):
         hook.pre_forward(Block(), torch.zeros(1, 35, 2), 36)
     with pytest.raises(SequenceParallelConfigError, match="last tokens .* before any sequence tensor was split"):
-        SequenceSplitHook({}, SequenceState(SPGroup(None, 0, world, "gloo")))._split_value(3, TailCount(), "n")
+        TailCount().split_value(SequenceState(SPGroup(None, 0, world, "gloo")), 3, "n")
 
 
 def test_helios_needs_two_blocks():
@@ -260,9 +261,9 @@ def test_split_each_splits_the_values_of_a_dict():
     spec = SplitEach(ContextParallelInput(split_dim=1, expected_dims=3, split_output=False))
     residuals = {0: torch.randn(2, 11, 4), 3: torch.randn(2, 11, 4)}
     hook = SequenceSplitHook({}, SequenceState(SPGroup(None, 2, 3, "gloo")))  # shards 4, 4, 3: rank 2 has 8:11
-    out = hook._split_value(residuals, spec, "controlnet_block_samples")
+    out = split_value(hook.state, residuals, spec, "controlnet_block_samples")
     assert list(out) == [0, 3] and all(torch.equal(out[k], residuals[k][:, 8:]) for k in out)
-    assert [t.shape[1] for t in hook._split_value(list(residuals.values()), spec, "r")] == [3, 3]
+    assert [t.shape[1] for t in split_value(hook.state, list(residuals.values()), spec, "r")] == [3, 3]
 
 
 def test_sequence_length_then_a_joint_sequence():
@@ -281,17 +282,17 @@ def test_sequence_length_then_a_joint_sequence():
     for rank in range(3):
         hook = SequenceSplitHook({}, SequenceState(SPGroup(None, rank, 3, "gloo")))
         shapes = [[(1, 1, 3), (1, 1, 11)]]
-        assert hook._split_value(shapes, length, "img_shapes") is shapes and hook.state.seq_len == 11
-        parts.append(hook._split_value(x, tail, "rotary_emb"))
+        assert split_value(hook.state, shapes, length, "img_shapes") is shapes and hook.state.seq_len == 11
+        parts.append(split_value(hook.state, x, tail, "rotary_emb"))
     assert [p.shape[0] for p in parts] == [8, 8, 7]  # shards 4, 4, 3 after the 4 whole entries
     assert all(torch.equal(p[:4], x[:4]) for p in parts)
     assert torch.equal(torch.cat([p[4:] for p in parts]), x[4:])
-    assert torch.equal(hook._split_value(x[4:], tail, "rotary_emb"), x[12:])  # no whole entries: rank 2's shard
-    assert hook._split_value(None, length, "img_shapes") is None
+    assert torch.equal(split_value(hook.state, x[4:], tail, "rotary_emb"), x[12:])  # no whole entries: rank 2's shard
+    assert split_value(hook.state, None, length, "img_shapes") is None
     with pytest.raises(SequenceParallelConfigError, match="gives 12"):
-        hook._split_value([[(1, 3, 4)]], length, "img_shapes")
+        split_value(hook.state, [[(1, 3, 4)]], length, "img_shapes")
     with pytest.raises(SequenceParallelConfigError, match="cannot split a sequence of 2 tokens over 3 ranks"):
-        SequenceSplitHook({}, SequenceState(SPGroup(None, 0, 3, "gloo")))._split_value([[(1, 1, 2)]], length, "s")
+        split_value(SequenceState(SPGroup(None, 0, 3, "gloo")), [[(1, 1, 2)]], length, "s")
 def test_framepack_needs_two_blocks_and_the_history_embedding():
     import families
 
@@ -321,11 +322,11 @@ def test_split_unless_broadcast():
     spec = SplitUnlessBroadcast(ContextParallelInput(split_dim=1, expected_dims=3, split_output=False))
     hook = SequenceSplitHook({}, SequenceState(SPGroup(None, 2, 3, "gloo"), seq_len=11))  # shards 4, 4, 3
     per_token = torch.arange(2 * 11 * 5.0).reshape(2, 11, 5)
-    assert torch.equal(hook._split_value(per_token, spec, "t"), per_token[:, 8:])
+    assert torch.equal(split_value(hook.state, per_token, spec, "t"), per_token[:, 8:])
     per_sample = torch.ones(2, 1, 5)
-    assert hook._split_value(per_sample, spec, "t") is per_sample
+    assert split_value(hook.state, per_sample, spec, "t") is per_sample
     with pytest.raises(SequenceParallelConfigError, match="inputs disagree"):
-        hook._split_value(torch.ones(2, 10, 5), spec, "t")
+        split_value(hook.state, torch.ones(2, 10, 5), spec, "t")
 
 
 def test_sana_video_linear_attention_at_one_rank_is_the_processor():
