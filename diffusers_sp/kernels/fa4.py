@@ -216,7 +216,7 @@ def fa4_block_sparse_fine_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    from .vsa import block_lists
+    from .tiles import block_lists
 
     batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
     num_kv_tiles = k.shape[2]
