@@ -80,7 +80,7 @@ def _forward_all_modes(model, kwargs, modes=MODES) -> dict:
 
 def _functional(text_len, layout, mask_kind, heads=5):
     from diffusers_sp.groups import resolve_group
-    from diffusers_sp.processors.base import gather_key_padding_mask, split_text_image
+    from diffusers_sp.processors.masks import gather_key_padding_mask, split_text_image
     from diffusers_sp.processors.kv_gather import finish_kv_gather, kv_gather_attention, start_kv_gather
     from diffusers_sp.processors.ulysses import finish_ulysses, start_ulysses, ulysses_attention
     from diffusers_sp.sharding import balanced_sizes, shard
@@ -247,7 +247,7 @@ def _functional_padding_both_sides(layout, kind):
     text tokens, sample 1 two image tokens (the last ones: on the last rank only)."""
     from diffusers_sp.groups import resolve_group
     from diffusers_sp.processors import KVGatherAttnProcessor, UlyssesAttnProcessor
-    from diffusers_sp.processors.base import split_text_image
+    from diffusers_sp.processors.masks import split_text_image
     from diffusers_sp.sharding import SequenceState, shard
 
     class Inner:  # the model's processor: never called here, only its signature is read
@@ -417,7 +417,7 @@ def _functional_full_mask(text_len, layout, kind, heads=5):
     dense modes: K/V-gather takes its queries' rows, Ulysses the whole mask; nothing is exchanged."""
     from diffusers_sp.groups import resolve_group
     from diffusers_sp.processors import PROCESSORS
-    from diffusers_sp.processors.base import split_text_image
+    from diffusers_sp.processors.masks import split_text_image
     from diffusers_sp.sharding import SequenceState, shard
 
     group = resolve_group()

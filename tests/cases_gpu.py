@@ -69,7 +69,7 @@ def case_copy_engine_functional():
     and suffix, per-head and shared masks, unequal head groups, and calls that grow and shrink the
     symmetric buffer (1575, then 4001, then 33 image tokens)."""
     from diffusers_sp.groups import resolve_group
-    from diffusers_sp.processors.base import gather_key_padding_mask, split_text_image
+    from diffusers_sp.processors.masks import gather_key_padding_mask, split_text_image
     from diffusers_sp.processors.kv_gather import (finish_kv_gather, kv_gather_attention,
                                                    kv_gather_attention_copy_engine, start_kv_gather)
     from diffusers_sp.sharding import balanced_sizes, shard
@@ -114,7 +114,7 @@ def case_ulysses_copy_engine_functional():
     divide the world size (5 and 7), per-head and shared masks, head groups that do not divide a
     rank's heads, and calls that grow and shrink the symmetric buffer."""
     from diffusers_sp.groups import resolve_group
-    from diffusers_sp.processors.base import gather_key_padding_mask
+    from diffusers_sp.processors.masks import gather_key_padding_mask
     from diffusers_sp.processors.ulysses import (finish_ulysses, start_ulysses, ulysses_attention,
                                                  ulysses_attention_copy_engine)
     from diffusers_sp.sharding import balanced_sizes, shard

@@ -155,7 +155,7 @@ def _functional(u: int, text_len: int, layout, mask_kind: str | None, heads: int
     the full sequence, a padding mask over queries and keys."""
     from cases_families import _ModelProcessor, _full_mask
     from diffusers_sp.processors import HybridAttnProcessor
-    from diffusers_sp.processors.base import split_text_image
+    from diffusers_sp.processors.masks import split_text_image
     from diffusers_sp.sharding import SequenceState, shard
 
     mesh = _mesh(u)

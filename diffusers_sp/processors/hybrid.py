@@ -37,7 +37,8 @@ import torch
 
 from ..groups import HybridMesh
 from ..kernels.sdpa import local_attention
-from .base import PendingKV, SequenceParallelAttnProcessor, query_rows, split_text_image
+from .base import PendingKV, SequenceParallelAttnProcessor
+from .masks import query_rows, split_text_image
 from .kv_gather import start_gather_kv
 from .ulysses import _attend_head_shard, scatter_heads, start_scatter_heads
 

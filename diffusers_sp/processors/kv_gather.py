@@ -30,9 +30,10 @@ import torch
 from ..comm import start_all_gather_dim0
 from ..copy_engine import barrier_timeout_ms, copy_or_fallback, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
-from ..validation import SequenceParallelConfigError
-from .base import (_SDPA, PendingKV, SequenceParallelAttnProcessor, gather_key_padding_mask, join_text_image,
-                   normalize_key_padding_mask, split_text_image)
+from ..errors import SequenceParallelConfigError
+from .base import PendingKV, SequenceParallelAttnProcessor
+from .capture import _SDPA
+from .masks import gather_key_padding_mask, join_text_image, normalize_key_padding_mask, split_text_image
 
 
 def gather_kv(key: torch.Tensor, value: torch.Tensor, sizes: list[int], group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,28 +196,10 @@ def _start_copy_engine(img_k, img_v, sizes, group, head_groups, txt_k, txt_v, te
     def region(i: int, g: int) -> torch.Tensor:
         return flat[base[i][g]:base[i][g] + S * B * heads[g] * D].view(S, B, heads[g], D)
 
-    compute, side, local = torch.cuda.current_stream(device), ws.stream, ws.local
+    compute, local = torch.cuda.current_stream(device), ws.local
     inputs = [t.permute(2, 0, 1, 3) for t in (img_k, img_v)]  # [S_r, B, H, D] views
-    lo, hi = offsets[r], offsets[r] + sizes[r]
-    timeout = barrier_timeout_ms()
     starts = [sum(heads[:g]) for g in range(G)]
-    ws.follow(compute, inputs)
-    with torch.cuda.stream(side):
-        ws.handle.barrier(channel=0, timeout_ms=timeout)
-        for g in range(G):
-            for step in range(1, P):
-                p = (r + step) % P
-                for i, rows in enumerate(inputs):
-                    remote = ws.handle.get_buffer(p, (S, B, heads[g], D), dtype, base[i][g])[lo:hi]
-                    copy_or_fallback(remote, rows[:, :, starts[g]:starts[g] + heads[g]])
-            ws.handle.barrier(channel=0, timeout_ms=timeout)
-            ws.event(g).record(side)
-        ws.free.record(side)
-    with torch.cuda.stream(local):  # own rows, on a copy engine beside the pushes
-        for g in range(G):
-            for i, rows in enumerate(inputs):
-                copy_or_fallback(region(i, g)[lo:hi], rows[:, :, starts[g]:starts[g] + heads[g]])
-            ws.event(G + g).record(local)
+    _push_rows(ws, compute, inputs, region, base, heads, starts, (offsets[r], offsets[r] + sizes[r]), P, r)
 
     def attend(query, *, scale=None, kernel="auto", key_mask=None):
         if torch.cuda.current_stream(device) != compute:
@@ -244,6 +227,33 @@ def _start_copy_engine(img_k, img_v, sizes, group, head_groups, txt_k, txt_v, te
         return out
 
     return attend
+
+
+def _push_rows(ws, compute, inputs, region, base, heads, starts, rows_range, P, r) -> None:
+    """The transfers of :func:`_start_copy_engine`: this rank's rows of K and V (``inputs``,
+    ``[S_r, B, H, D]`` views) pushed into every peer's symmetric buffer, head group by head group, on
+    the workspace's side stream (event ``g`` when group ``g`` has arrived everywhere), and into its own
+    buffer on a copy engine beside the pushes (event ``G + g``)."""
+    G, (lo, hi) = len(heads), rows_range
+    S, B, _, D = region(0, 0).shape
+    dtype, timeout = inputs[0].dtype, barrier_timeout_ms()
+    ws.follow(compute, inputs)
+    with torch.cuda.stream(ws.stream):
+        ws.handle.barrier(channel=0, timeout_ms=timeout)
+        for g in range(G):
+            for step in range(1, P):
+                p = (r + step) % P
+                for i, rows in enumerate(inputs):
+                    remote = ws.handle.get_buffer(p, (S, B, heads[g], D), dtype, base[i][g])[lo:hi]
+                    copy_or_fallback(remote, rows[:, :, starts[g]:starts[g] + heads[g]])
+            ws.handle.barrier(channel=0, timeout_ms=timeout)
+            ws.event(g).record(ws.stream)
+        ws.free.record(ws.stream)
+    with torch.cuda.stream(ws.local):  # own rows, on a copy engine beside the pushes
+        for g in range(G):
+            for i, rows in enumerate(inputs):
+                copy_or_fallback(region(i, g)[lo:hi], rows[:, :, starts[g]:starts[g] + heads[g]])
+            ws.event(G + g).record(ws.local)
 
 
 class KVGatherAttnProcessor(SequenceParallelAttnProcessor):

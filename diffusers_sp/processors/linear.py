@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..comm import all_reduce_sum
-from ..validation import SequenceParallelConfigError
+from ..errors import SequenceParallelConfigError
 from .base import SequenceParallelAttnProcessor
 
 _SDPA = F.scaled_dot_product_attention

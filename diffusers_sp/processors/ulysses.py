@@ -28,8 +28,9 @@ import torch
 from ..comm import all_to_all_flat, start_all_to_all_flat
 from ..copy_engine import barrier_timeout_ms, copy_or_fallback, head_group_sizes, workspace
 from ..kernels.sdpa import local_attention
-from ..sharding import balanced_sizes
-from .base import PendingKV, SequenceParallelAttnProcessor, join_text_image, split_text_image
+from ..shards import balanced_sizes
+from .base import PendingKV, SequenceParallelAttnProcessor
+from .masks import join_text_image, split_text_image
 
 
 def scatter_heads(tensors: list[torch.Tensor], sizes: list[int], group) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ tile level to pick the top-k key tiles of each query tile, and attends token by 
 the picked tiles; the math is in :mod:`diffusers_sp.kernels.vsa`.
 
 Sequence parallelism (see DESIGN.md): while VSA is on, the transformer's tokens travel in *tile
-order* (a :class:`~diffusers_sp.sharding.TokenOrder` set per forward from the latent grid) and are
+order* (a :class:`~diffusers_sp.shards.TokenOrder` set per forward from the latent grid) and are
 sharded on tile boundaries, balanced to within one tile. Everything outside attention is per token,
 so the reordering is exact, and it is undone when the output is gathered.
 
@@ -37,8 +37,8 @@ import torch
 from diffusers.hooks import ModelHook
 
 from ..kernels.vsa import make_tile_layout, video_sparse_attention
-from ..sharding import TokenOrder, balanced_sizes
-from ..validation import SequenceParallelConfigError
+from ..shards import TokenOrder, balanced_sizes
+from ..errors import SequenceParallelConfigError
 from .base import SequenceParallelAttnProcessor
 from .kv_gather import gather_kv
 from .ulysses import gather_heads, scatter_heads
@@ -55,7 +55,7 @@ class TilePlan:
         layout: The :class:`~diffusers_sp.kernels.vsa.TileLayout` (CPU tensors).
         ranges: Per rank, the ``(start, end)`` of its contiguous range of whole tiles (balanced, the
             first ``N mod P`` ranks one tile more).
-        order: The :class:`~diffusers_sp.sharding.TokenOrder`: tile order, tokens per rank.
+        order: The :class:`~diffusers_sp.shards.TokenOrder`: tile order, tokens per rank.
         block_sizes: ``LongTensor [N]`` valid tokens per tile, on the device.
         slots: ``LongTensor``: for the valid tokens of all tiles, in tile order, their slot in the
             padded ``[N * V]`` layout, on the device.
@@ -181,7 +181,7 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
 
     Args:
         inner: The model's self-attention processor (Wan: ``WanAttnProcessor`` of ``blocks.i.attn1``).
-        state: The model's :class:`~diffusers_sp.sharding.SequenceState`; ``state.extra["vsa"]``
+        state: The model's :class:`~diffusers_sp.plan_entries.SequenceState`; ``state.extra["vsa"]``
             holds the :class:`TilePlan` of the current forward, set by :class:`TileOrderHook`.
         sparsity: Fraction of key tiles each query tile skips, in ``[0, 1)``.
         sp_mode: Communication underneath: ``"ulysses"``, ``"kv_gather"`` or ``"hybrid"`` (over
