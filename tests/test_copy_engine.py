@@ -139,30 +139,31 @@ def test_auto_transport_rule(monkeypatch, mode, kv_first, requested, expected):
     CI has no CUDA): K/V-gather takes NCCL only when the family's K/V-first path is on."""
     from types import SimpleNamespace
 
-    import diffusers_sp.api as api
+    import diffusers_sp.planning as planning
 
-    monkeypatch.setattr(api, "copy_engine_unavailable_reason", lambda group: None)
-    monkeypatch.setattr(api.dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(planning, "copy_engine_unavailable_reason", lambda group: None)
+    monkeypatch.setattr(planning.dist, "get_world_size", lambda *a, **k: 2)
     group = SimpleNamespace(world_size=2, rank=0)
     traits = SimpleNamespace(name="WanPipeline", models=[SimpleNamespace(name="transformer", joint_text=None)])
-    assert api._resolve_transport(requested, mode, group, traits, kv_first=kv_first) == expected
+    assert planning.resolve_transport(requested, mode, group, traits, kv_first=kv_first) == expected
 
 
 def test_enable_passes_whether_the_kv_first_path_runs(monkeypatch):
     """``enable_sequence_parallel`` tells the transport rule whether the K/V-first path is on: Wan with
     ``overlap_query_projection`` (default True) yes, with it False no, a family without the path no."""
-    import diffusers_sp.api as api
+    import diffusers_sp.planning as planning
+    from diffusers_sp import enable_sequence_parallel
     from diffusers_sp import tiny_models as tm
 
     seen = []
-    real = api._resolve_transport
+    real = planning.resolve_transport
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("kv_first"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api, "_resolve_transport", spy)
+    monkeypatch.setattr(planning, "resolve_transport", spy)
     for model, options in ((tm.tiny_wan_transformer(), {}), (tm.tiny_wan_transformer(), {"overlap_query_projection": False}),
                            (tm.tiny_cogvideox_transformer(), {})):
-        api.enable_sequence_parallel(model, mode="kv_gather", **options).disable()
+        enable_sequence_parallel(model, mode="kv_gather", **options).disable()
     assert seen == [True, False, False]

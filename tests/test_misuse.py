@@ -205,12 +205,13 @@ def test_one_rank_keeps_autograd():
 def test_failed_enable_leaves_nothing_behind(monkeypatch):
     """An error while installing left processors and hooks in place and the handle on the transformer
     only, so neither disable nor a new enable worked."""
-    from diffusers_sp import api, disable_sequence_parallel
+    import diffusers_sp.install as install_module
+    from diffusers_sp import disable_sequence_parallel
     from diffusers_sp.tiny_models import tiny_wan_pipeline
 
     pipe = tiny_wan_pipeline("t2v")
     processor = type(pipe.transformer.blocks[0].attn1.processor)
-    monkeypatch.setattr(api, "_patch_prepare_latents", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(install_module, "_patch_prepare_latents", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         enable_sequence_parallel(pipe, mode="kv_gather")
     assert type(pipe.transformer.blocks[0].attn1.processor) is processor
