@@ -22,38 +22,14 @@ its ids and the mask stay whole.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-
-from . import CONTROLNET_RESIDUALS, FamilySpec
-from .flux import _IMG_IDS, flux_attention_modules, flux_patch_size
-
-_CHROMA_PLAN = {
-    "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
-         "img_ids": _IMG_IDS,
-         "controlnet_block_samples": CONTROLNET_RESIDUALS,
-         "controlnet_single_block_samples": CONTROLNET_RESIDUALS},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
-
-
-def chroma_sharding_plan(model) -> dict:
-    """The plan of the module docstring (a copy)."""
-    return dict(_CHROMA_PLAN)
-
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
+from .flux import _IMG_IDS, FLUX_ATTENTION, FLUX_CONTROLNET
 
 CHROMA = FamilySpec(
-    name="chroma",
-    model_classes=("ChromaTransformer2DModel",),
-    is_video=False,
-    patch_size=flux_patch_size,
-    sharding_plan=chroma_sharding_plan,
-    attention_modules=flux_attention_modules,
-    joint_text="prefix",
-    text_mask=True,
-    attention_call="dispatch",
+    name="chroma", model_classes=("ChromaTransformer2DModel",), is_video=False,
+    sharding_plan={"": {"hidden_states": SPLIT_TOKENS, "img_ids": _IMG_IDS, **FLUX_CONTROLNET}, "proj_out": GATHER_TOKENS},
+    attention_modules=FLUX_ATTENTION, joint_text="prefix", text_mask=True, attention_call="dispatch",
     # Chroma's pipelines (Diffusers 0.42) make their two CFG calls outside the transformer's
     # cache_context("cond"/"uncond"), by which CFG parallelism pairs them: every call would run on both
     # CFG groups, so cfg_parallel="auto" would halve the sequence-parallel degree for nothing.
-    cfg_strategy=None,
-    note="its [B, 1, L, L] additive 0/1 mask is applied whole, as one process does",
-)
+    cfg_strategy=None, note="its [B, 1, L, L] additive 0/1 mask is applied whole, as one process does")

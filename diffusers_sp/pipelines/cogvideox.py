@@ -14,42 +14,15 @@ dim 1); the RoPE tables the pipeline passes as ``image_rotary_emb`` (``([S, D], 
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from . import FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
 
 _ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)
-_COGVIDEOX_PLAN = {
-    "": {"image_rotary_emb": [_ROPE, _ROPE]},
-    "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
-
-
-def cogvideox_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``CogVideoXTransformer3DModel`` from its config, frames first."""
-    return (int(model.config.patch_size_t or 1), int(model.config.patch_size), int(model.config.patch_size))
-
-
-def cogvideox_sharding_plan(model) -> dict:
-    """The explicit plan of the module docstring."""
-    return dict(_COGVIDEOX_PLAN)
-
-
-def cogvideox_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn1`` (joint text + video attention)."""
-    return [(f"transformer_blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.transformer_blocks)]
-
 
 COGVIDEOX = FamilySpec(
-    name="cogvideox",
-    model_classes=("CogVideoXTransformer3DModel",),
-    is_video=True,
-    patch_size=cogvideox_patch_size,
-    sharding_plan=cogvideox_sharding_plan,
-    attention_modules=cogvideox_attention_modules,
-    joint_text="prefix",
-    text_mask=False,
-    cfg_strategy="batch",
-    note="text first in self-attention; 2b's 30 heads split unevenly by Ulysses at 4 ranks",
-)
+    name="cogvideox", model_classes=("CogVideoXTransformer3DModel",), is_video=True,
+    sharding_plan={"": {"image_rotary_emb": [_ROPE, _ROPE]}, "transformer_blocks.0": {"hidden_states": SPLIT_TOKENS},
+                   "proj_out": GATHER_TOKENS},
+    attention_modules=("transformer_blocks.*.attn1",), joint_text="prefix", cfg_strategy="batch",
+    note="text first in self-attention; 2b's 30 heads split unevenly by Ulysses at 4 ranks")

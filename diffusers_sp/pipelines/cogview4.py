@@ -21,43 +21,16 @@ latents with the latents along the channels before the patch embedding, so it ne
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from . import FamilySpec
+from .spec import GATHER_TOKENS, FamilySpec
 
 _ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
-_COGVIEW4_PLAN = {
-    "": {"image_rotary_emb": [ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)] * 2},
-    "patch_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
-    "rope": {0: _ROPE, 1: _ROPE},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
-
-
-def cogview4_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``CogView4Transformer2DModel`` from its config."""
-    return (int(model.config.patch_size),) * 2
-
-
-def cogview4_sharding_plan(model) -> dict:
-    """The explicit plan of the module docstring."""
-    return dict(_COGVIEW4_PLAN)
-
-
-def cogview4_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn1`` (joint text + image attention)."""
-    return [(f"transformer_blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.transformer_blocks)]
-
 
 COGVIEW4 = FamilySpec(
-    name="cogview4",
-    model_classes=("CogView4Transformer2DModel",),
-    is_video=False,
-    patch_size=cogview4_patch_size,
-    sharding_plan=cogview4_sharding_plan,
-    attention_modules=cogview4_attention_modules,
-    joint_text="prefix",
-    text_mask=True,
-    cfg_strategy="two_call",
-    note="text first; its padding mask over queries and keys applied exactly",
-)
+    name="cogview4", model_classes=("CogView4Transformer2DModel",), is_video=False,
+    sharding_plan={"": {"image_rotary_emb": [ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)] * 2},
+                   "patch_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+                   "rope": {0: _ROPE, 1: _ROPE}, "proj_out": GATHER_TOKENS},
+    attention_modules=("transformer_blocks.*.attn1",), joint_text="prefix", text_mask=True, cfg_strategy="two_call",
+    note="text first; its padding mask over queries and keys applied exactly")

@@ -23,54 +23,30 @@ over the patch size, so ``mode="vsa"`` runs (tokens are in raster order, frames 
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from . import FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, latent_grid_of
 
-_TOKENS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
 _TABLE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
-
-
-def cosmos_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``CosmosTransformer3DModel`` from its config, frames first."""
-    return tuple(int(p) for p in model.config.patch_size)
+_PLAN = {
+    "rope": {0: _TABLE, 1: _TABLE},
+    "transformer_blocks.0": {"hidden_states": SPLIT_TOKENS},
+    "transformer_blocks.*": {"embedded_timestep": SPLIT_TOKENS, "temb": SPLIT_TOKENS, "controlnet_residual": SPLIT_TOKENS},
+    "norm_out": {"embedded_timestep": SPLIT_TOKENS, "temb": SPLIT_TOKENS},
+    "proj_out": GATHER_TOKENS,
+}
 
 
 def cosmos_sharding_plan(model) -> dict:
-    """The explicit plan of the module docstring."""
-    plan = {
-        "rope": {0: _TABLE, 1: _TABLE},
-        "transformer_blocks.0": {"hidden_states": _TOKENS},
-        "transformer_blocks.*": {"embedded_timestep": _TOKENS, "temb": _TOKENS, "controlnet_residual": _TOKENS},
-        "norm_out": {"embedded_timestep": _TOKENS, "temb": _TOKENS},
-        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-    }
+    """The explicit plan of the module docstring, with the learnable position embedding where the model has one."""
+    plan = dict(_PLAN)
     if model.learnable_pos_embed is not None:
         plan["learnable_pos_embed"] = {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)}
     return plan
 
 
-def cosmos_latent_grid(model, args, kwargs) -> tuple[int, int, int]:
-    """Patchified latent grid ``(frames, height, width)``: ``hidden_states`` ``[B, C, T, H, W]`` over the patch size."""
-    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    p_t, p_h, p_w = model.config.patch_size
-    _, _, frames, height, width = hidden.shape
-    return frames // p_t, height // p_h, width // p_w
-
-
-def cosmos_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn1`` (video self-attention) of every block."""
-    return [(f"transformer_blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.transformer_blocks)]
-
-
 COSMOS = FamilySpec(
-    name="cosmos",
-    model_classes=("CosmosTransformer3DModel",),
-    is_video=True,
-    patch_size=cosmos_patch_size,
-    sharding_plan=cosmos_sharding_plan,
-    attention_modules=cosmos_attention_modules,
-    modes=("ulysses", "kv_gather", "vsa"),
-    latent_grid=cosmos_latent_grid,
-    note="video self-attention only; per-frame modulation split with its tokens",
-)
+    name="cosmos", model_classes=("CosmosTransformer3DModel",), is_video=True,
+    sharding_plan=cosmos_sharding_plan, attention_modules=("transformer_blocks.*.attn1",),
+    modes=("ulysses", "kv_gather", "vsa"), latent_grid=latent_grid_of("BCFHW"),
+    note="video self-attention only; per-frame modulation split with its tokens")

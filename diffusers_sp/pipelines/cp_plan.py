@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 
-from . import FamilySpec
+from .spec import FamilySpec
 
 #: Forward arguments of a plan that carry text (kept replicated, so their plan entries are dropped).
 TEXT_ARGUMENT = re.compile(r"^(encoder_|txt_|text_|prompt_|context)|_(text|txt|context)(_|$)")
@@ -57,16 +57,6 @@ def marked_attention_modules(model) -> list:
     return found
 
 
-def config_patch_size(model) -> tuple[int, ...]:
-    """The config's ``patch_size`` as a tuple (frames first for video), ``(1, 1)`` when absent."""
-    cfg = model.config
-    patch = getattr(cfg, "patch_size", None) or 1
-    if isinstance(patch, (list, tuple)):
-        return tuple(int(p) for p in patch)
-    t = getattr(cfg, "patch_size_t", None)
-    return (int(t), int(patch), int(patch)) if t else (int(patch), int(patch))
-
-
 def cp_plan_family(cls) -> FamilySpec:
     """The family of a transformer class that has no family module but ships a ``_cp_plan``."""
     plan = text_free_plan(dict(cls._cp_plan))
@@ -74,8 +64,7 @@ def cp_plan_family(cls) -> FamilySpec:
         name=f"cp_plan:{cls.__name__}",
         model_classes=(cls.__name__,),
         is_video="3D" in cls.__name__ or "Video" in cls.__name__,
-        patch_size=config_patch_size,
-        sharding_plan=lambda model: dict(plan),
+        sharding_plan=plan,
         attention_modules=marked_attention_modules,
         attention_call="dispatch",
         note="through the model's Diffusers _cp_plan (text entries dropped)",

@@ -25,49 +25,30 @@ pipeline without reference images makes ordinary calls, which run).
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from ..sharding import SplitByDims
-from . import FamilySpec, plan_without
+from ..plan_entries import SplitByDims
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, model_plan
 from .cp_plan import marked_attention_modules
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "txt_ids")}
 _IMG_IDS = SplitByDims((ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
                         ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)))
 # The 0.42 plan minus its text entries, used when a model lacks ``_cp_plan``.
-_FLUX2_PLAN = {
-    "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
-         "img_ids": _IMG_IDS},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
-
-
-def flux2_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``Flux2Transformer2DModel`` from its config (the pipelines patchify 2 x 2 before it)."""
-    return (int(model.config.patch_size),) * 2
+_FLUX2_PLAN = {"": {"hidden_states": SPLIT_TOKENS, "img_ids": _IMG_IDS}, "proj_out": GATHER_TOKENS}
 
 
 def flux2_sharding_plan(model) -> dict:
     """The model's ``_cp_plan`` without its text entries; ``img_ids`` split in either layout."""
-    plan = getattr(model, "_cp_plan", None)
-    plan = plan_without(plan, _TEXT_ENTRIES) if plan else dict(_FLUX2_PLAN)
-    plan[""] = {**plan.get("", {}), "img_ids": _IMG_IDS}
-    return plan
+    return model_plan(model, _FLUX2_PLAN, _TEXT_ENTRIES, {"img_ids": _IMG_IDS})
 
 
 FLUX2 = FamilySpec(
-    name="flux2",
-    model_classes=("Flux2Transformer2DModel",),
-    is_video=False,
-    patch_size=flux2_patch_size,
-    sharding_plan=flux2_sharding_plan,
-    attention_modules=marked_attention_modules,
-    joint_text="prefix",
-    text_mask=False,
-    attention_call="dispatch",
+    name="flux2", model_classes=("Flux2Transformer2DModel",), is_video=False,
+    sharding_plan=flux2_sharding_plan, attention_modules=marked_attention_modules,
+    joint_text="prefix", attention_call="dispatch",
     unsupported_inputs={
         "kv_cache_mode": "Flux2KleinKVPipeline's reference-image K/V cache: its reference tokens attend only to "
                          "themselves, and their cached K and V join the keys outside the split attention call; the "
                          "pipeline runs without reference images, run it without sequence parallelism for them"},
-    note="text first; reference-image tokens split with the image",
-)
+    note="text first; reference-image tokens split with the image")

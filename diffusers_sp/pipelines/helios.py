@@ -16,7 +16,7 @@ gathered once, at the last block's output (before ``norm_out``, which keeps the 
 ``original_context_length`` tokens of the full sequence). The blocks split their input into history
 and chunk at ``original_context_length`` (cross-attention for the chunk only; with
 ``is_amplify_history``, the history keys scaled): it becomes this rank's share of the chunk
-(:class:`~diffusers_sp.sharding.TailCount`). The split sequence is ``[history; chunk]``; every rank
+(:class:`~diffusers_sp.plan_entries.TailCount`). The split sequence is ``[history; chunk]``; every rank
 holds a contiguous piece of it.
 """
 
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..sharding import TailCount
-from ..validation import SequenceParallelConfigError
-from . import FamilySpec
+from ..plan_entries import TailCount
+from ..errors import SequenceParallelConfigError
+from .spec import FamilySpec
 from .cp_plan import marked_attention_modules
 
 # The per-token split specs of Diffusers' plan (its "blocks.*.attn1" entry), used when a model lacks one.
@@ -64,12 +64,6 @@ def helios_sharding_plan(model) -> dict:
 
 
 HELIOS = FamilySpec(
-    name="helios",
-    model_classes=("HeliosTransformer3DModel",),
-    is_video=True,
-    patch_size=helios_patch_size,
-    sharding_plan=helios_sharding_plan,
-    attention_modules=marked_attention_modules,
-    attention_call="dispatch",
-    note="history and chunk split as one sequence at the first block",
-)
+    name="helios", model_classes=("HeliosTransformer3DModel",), is_video=True, patch_size=helios_patch_size,
+    sharding_plan=helios_sharding_plan, attention_modules=marked_attention_modules, attention_call="dispatch",
+    note="history and chunk split as one sequence at the first block")

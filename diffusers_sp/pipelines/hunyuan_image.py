@@ -19,48 +19,19 @@ latents) and the RoPE tables ``rope`` returns (``(cos, sin)``, ``[S, D]``, dim 0
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from . import FamilySpec
+from .spec import GATHER_TOKENS, FamilySpec
 
 _ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
-_HUNYUAN_IMAGE_PLAN = {
-    "x_embedder": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
-    "rope": {0: _ROPE, 1: _ROPE},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
-
-
-def hunyuan_image_patch_size(model) -> tuple[int, ...]:
-    """The config's ``patch_size``: ``(p_h, p_w)``, or ``(p_t, p_h, p_w)`` for the refiner's 3-D patches."""
-    return tuple(int(p) for p in model.config.patch_size)
-
-
-def hunyuan_image_sharding_plan(model) -> dict:
-    """The explicit plan of the module docstring."""
-    return dict(_HUNYUAN_IMAGE_PLAN)
-
-
-def hunyuan_image_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn`` and ``single_transformer_blocks.{i}.attn`` (not the token refiner)."""
-    return ([(f"transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.transformer_blocks)]
-            + [(f"single_transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.single_transformer_blocks)])
-
 
 HUNYUAN_IMAGE = FamilySpec(
-    name="hunyuan_image",
-    model_classes=("HunyuanImageTransformer2DModel",),
-    is_video=False,
-    patch_size=hunyuan_image_patch_size,
-    sharding_plan=hunyuan_image_sharding_plan,
-    attention_modules=hunyuan_image_attention_modules,
-    joint_text="suffix",
-    text_mask=True,
-    attention_call="dispatch",
+    name="hunyuan_image", model_classes=("HunyuanImageTransformer2DModel",), is_video=False,
+    sharding_plan={"x_embedder": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+                   "rope": {0: _ROPE, 1: _ROPE}, "proj_out": GATHER_TOKENS},
+    attention_modules=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
+    joint_text="suffix", text_mask=True, attention_call="dispatch",
     # With a guider, the pipelines make the conditional and the unconditional prediction as two calls
     # named through cache_context; the distilled checkpoint and the refiner make one call per step, so
     # cfg_parallel="auto" leaves CFG parallelism off.
-    cfg_strategy="two_call",
-    cfg_by_default=False,
-    note="text after the image; the token refiner whole on every rank",
-)
+    cfg_strategy="two_call", cfg_by_default=False, note="text after the image; the token refiner whole on every rank")

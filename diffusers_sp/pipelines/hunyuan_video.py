@@ -17,32 +17,27 @@ and needs nothing more. ``"token_replace"`` (HunyuanVideo I2V) puts the image's 
 and every block modulates the first frame's tokens with their own (timestep 0) embedding: the
 model passes each block their count, ``num_tokens`` (positional), and the block slices its tokens
 at it (Diffusers 0.42, ``HunyuanVideoTokenReplaceTransformerBlock`` and its single-stream twin). Those tokens lead the sequence, so on every rank they are a leading part of its shard; the
-plan hands each block this rank's part of the count (:class:`~diffusers_sp.sharding.PrefixCount`),
+plan hands each block this rank's part of the count (:class:`~diffusers_sp.plan_entries.PrefixCount`),
 and the blocks' slicing then selects exactly this rank's first-frame tokens.
 """
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from ..sharding import PrefixCount
-from . import FamilySpec
+from ..plan_entries import PrefixCount
+from .flux import FLUX_ATTENTION
+from .spec import GATHER_TOKENS, FamilySpec
 
+_ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
 _HUNYUAN_PLAN = {
     "x_embedder": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
-    "rope": {0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True),
-             1: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    "rope": {0: _ROPE, 1: _ROPE},
+    "proj_out": GATHER_TOKENS,
 }
 # image_condition_type="token_replace": the first frame's token count each block receives.
 _TOKEN_REPLACE = {"transformer_blocks.*": {"num_tokens": PrefixCount()},
                   "single_transformer_blocks.*": {"num_tokens": PrefixCount()}}
-
-
-def hunyuan_video_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``HunyuanVideoTransformer3DModel`` from its config, frames first."""
-    cfg = model.config
-    return (int(cfg.patch_size_t), int(cfg.patch_size), int(cfg.patch_size))
 
 
 def hunyuan_video_sharding_plan(model) -> dict:
@@ -53,22 +48,8 @@ def hunyuan_video_sharding_plan(model) -> dict:
     return plan
 
 
-def hunyuan_video_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn`` and ``single_transformer_blocks.{i}.attn`` (not the token refiner)."""
-    return ([(f"transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.transformer_blocks)]
-            + [(f"single_transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.single_transformer_blocks)])
-
-
 HUNYUAN_VIDEO = FamilySpec(
-    name="hunyuan_video",
-    model_classes=("HunyuanVideoTransformer3DModel",),
-    is_video=True,
-    patch_size=hunyuan_video_patch_size,
-    sharding_plan=hunyuan_video_sharding_plan,
-    attention_modules=hunyuan_video_attention_modules,
-    joint_text="suffix",
-    text_mask=True,
-    cfg_strategy="two_call",
-    cfg_by_default=False,
-    note="text after the video; token_replace's first-frame count split per rank",
-)
+    name="hunyuan_video", model_classes=("HunyuanVideoTransformer3DModel",), is_video=True,
+    sharding_plan=hunyuan_video_sharding_plan, attention_modules=FLUX_ATTENTION,
+    joint_text="suffix", text_mask=True, cfg_strategy="two_call", cfg_by_default=False,
+    note="text after the video; token_replace's first-frame count split per rank")

@@ -19,44 +19,15 @@ The image-to-video pipeline joins its image latents and mask along the channels.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from . import FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
 
-_PLAN = {
-    "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
-    "rope": {0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True),
-             1: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
-
-
-def hunyuan_video15_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``HunyuanVideo15Transformer3DModel`` from its config, frames first."""
-    cfg = model.config
-    return (int(cfg.patch_size_t), int(cfg.patch_size), int(cfg.patch_size))
-
-
-def hunyuan_video15_sharding_plan(model) -> dict:
-    """The explicit plan of the module docstring."""
-    return dict(_PLAN)
-
-
-def hunyuan_video15_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn`` (joint video + text attention; not the token refiner)."""
-    return [(f"transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.transformer_blocks)]
-
+_ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
 
 HUNYUAN_VIDEO15 = FamilySpec(
-    name="hunyuan_video15",
-    model_classes=("HunyuanVideo15Transformer3DModel",),
-    is_video=True,
-    patch_size=hunyuan_video15_patch_size,
-    sharding_plan=hunyuan_video15_sharding_plan,
-    attention_modules=hunyuan_video15_attention_modules,
-    joint_text="suffix",
-    text_mask=True,
-    attention_call="dispatch",
-    cfg_strategy="two_call",
-    note="text after the video in every block; its outer-product text mask as a key padding mask",
-)
+    name="hunyuan_video15", model_classes=("HunyuanVideo15Transformer3DModel",), is_video=True,
+    sharding_plan={"transformer_blocks.0": {"hidden_states": SPLIT_TOKENS}, "rope": {0: _ROPE, 1: _ROPE},
+                   "proj_out": GATHER_TOKENS},
+    attention_modules=("transformer_blocks.*.attn",), joint_text="suffix", text_mask=True, attention_call="dispatch",
+    cfg_strategy="two_call", note="text after the video in every block; its outer-product text mask as a key padding mask")

@@ -18,25 +18,25 @@ model keeps the latents' tokens (the last ones) for ``norm_out``. All ``S`` toke
 latents) are split alike, so a rank's shard may hold history tokens, latents' tokens or both. With a
 batch of more than one sample, the model builds the key padding mask ``[B, 1, 1, S + T]`` over the
 whole ``[video; text]`` sequence before the split and hands it to every block: its video part is split
-there like the tokens, its text part stays whole (:class:`~diffusers_sp.sharding.JointSequence`), so
+there like the tokens, its text part stays whole (:class:`~diffusers_sp.plan_entries.JointSequence`), so
 the processors get this rank's key padding mask. With one sample the model drops the text padding
 instead and passes no mask.
 """
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from ..sharding import JointSequence
-from ..validation import SequenceParallelConfigError
-from . import FamilySpec
+from ..plan_entries import JointSequence
+from ..errors import SequenceParallelConfigError
+from .flux import FLUX_ATTENTION
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
 
-_TOKENS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
 _ROPE = [ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)] * 2
 # [B, 1, 1, S + T]: the video's keys, then the text's (after the RoPE split in the same entry, which sets S).
 _MASK = JointSequence(ContextParallelInput(split_dim=3, expected_dims=4, split_output=False), text="suffix")
 # A block returns (hidden_states, encoder_hidden_states): the first is gathered, the text stays.
-_GATHER = [ContextParallelOutput(gather_dim=1, expected_dims=3), None]
+_GATHER = [GATHER_TOKENS, None]
 
 
 def _blocks(model) -> list[tuple[str, str]]:
@@ -68,26 +68,13 @@ def framepack_sharding_plan(model) -> dict:
     blocks = _blocks(model)
     plan = {"transformer_blocks.*": {"freqs_cis": _ROPE, "attention_mask": _MASK},
             "single_transformer_blocks.*": {"image_rotary_emb": _ROPE, "attention_mask": _MASK}}
-    plan[blocks[0][0]] = {"hidden_states": _TOKENS}
+    plan[blocks[0][0]] = {"hidden_states": SPLIT_TOKENS}
     plan[blocks[-1][0]] = _GATHER
     return plan
 
 
-def framepack_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn`` and ``single_transformer_blocks.{i}.attn`` (not the token refiner)."""
-    return ([(f"transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.transformer_blocks)]
-            + [(f"single_transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.single_transformer_blocks)])
-
-
 HUNYUAN_VIDEO_FRAMEPACK = FamilySpec(
-    name="hunyuan_video_framepack",
-    model_classes=("HunyuanVideoFramepackTransformer3DModel",),
-    is_video=True,
-    patch_size=framepack_patch_size,
-    sharding_plan=framepack_sharding_plan,
-    attention_modules=framepack_attention_modules,
-    joint_text="suffix",
-    text_mask=True,
-    attention_call="dispatch",
-    note="history (clean frames at 1x, 2x, 4x) and latents split as one sequence at the first block",
-)
+    name="hunyuan_video_framepack", model_classes=("HunyuanVideoFramepackTransformer3DModel",), is_video=True,
+    patch_size=framepack_patch_size, sharding_plan=framepack_sharding_plan, attention_modules=FLUX_ATTENTION,
+    joint_text="suffix", text_mask=True, attention_call="dispatch",
+    note="history (clean frames at 1x, 2x, 4x) and latents split as one sequence at the first block")

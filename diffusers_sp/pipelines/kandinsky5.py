@@ -24,10 +24,10 @@ holds. VSA runs: the self-attention holds only video tokens and the latent grid 
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from ..validation import SequenceParallelConfigError
-from . import FamilySpec
+from ..errors import SequenceParallelConfigError
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, latent_grid_of
 
 _NABLA = "NABLA sparse attention, whose block mask is computed from queries and keys of the whole sequence"
 
@@ -57,37 +57,15 @@ def kandinsky5_sharding_plan(model) -> dict:
     """The explicit plan of the module docstring."""
     last = len(model.visual_transformer_blocks) - 1
     return {
-        "visual_transformer_blocks.0": {"visual_embed": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
+        "visual_transformer_blocks.0": {"visual_embed": SPLIT_TOKENS},
         "visual_transformer_blocks.*": {"rope": ContextParallelInput(split_dim=1, expected_dims=6, split_output=False)},
-        f"visual_transformer_blocks.{last}": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        f"visual_transformer_blocks.{last}": GATHER_TOKENS,
     }
 
 
-def kandinsky5_latent_grid(model, args, kwargs) -> tuple[int, int, int]:
-    """Patchified latent grid ``(frames, height, width)``: ``hidden_states`` ``[B, T, H, W, C]`` (channels
-    last) over the patch size."""
-    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    p_t, p_h, p_w = model.config.patch_size
-    _, frames, height, width, _ = hidden.shape
-    return frames // p_t, height // p_h, width // p_w
-
-
-def kandinsky5_attention_modules(model) -> list:
-    """``visual_transformer_blocks.{i}.self_attention`` (not the text blocks, not cross-attention)."""
-    return [(f"visual_transformer_blocks.{i}.self_attention", b.self_attention)
-            for i, b in enumerate(model.visual_transformer_blocks)]
-
-
 KANDINSKY5 = FamilySpec(
-    name="kandinsky5",
-    model_classes=("Kandinsky5Transformer3DModel",),
-    is_video=True,
-    patch_size=kandinsky5_patch_size,
-    sharding_plan=kandinsky5_sharding_plan,
-    attention_modules=kandinsky5_attention_modules,
-    modes=("ulysses", "kv_gather", "vsa"),
-    latent_grid=kandinsky5_latent_grid,
-    unsupported_inputs={"sparse_params": _NABLA},
-    attention_call="dispatch",
-    note="video self-attention split between the first and the last visual block; NABLA attention refused",
-)
+    name="kandinsky5", model_classes=("Kandinsky5Transformer3DModel",), is_video=True,
+    patch_size=kandinsky5_patch_size, sharding_plan=kandinsky5_sharding_plan,
+    attention_modules=("visual_transformer_blocks.*.self_attention",), modes=("ulysses", "kv_gather", "vsa"),
+    latent_grid=latent_grid_of("BFHWC"), unsupported_inputs={"sparse_params": _NABLA}, attention_call="dispatch",
+    note="video self-attention split between the first and the last visual block; NABLA attention refused")

@@ -17,50 +17,26 @@ tables are split.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from ..sharding import SplitByDims
-from . import FamilySpec, plan_without
+from ..plan_entries import SplitByDims
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, model_plan
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "encoder_attention_mask")}
 # [B, S] or [B, S, 1] per token (the model flattens either to B x S timesteps); [B] has neither layout.
 _TIMESTEP = {"timestep": SplitByDims((ContextParallelInput(split_dim=1, expected_dims=2, split_output=False),
                                       ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)))}
-_LTX_PLAN = {
-    "": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
-    "rope": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True),
-             1: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
-
-
-def ltx_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``LTXVideoTransformer3DModel`` from its config, frames first."""
-    return (int(model.config.patch_size_t), int(model.config.patch_size), int(model.config.patch_size))
+_LTX_ROPE = ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)
+_LTX_PLAN = {"": {"hidden_states": SPLIT_TOKENS}, "rope": {0: _LTX_ROPE, 1: _LTX_ROPE}, "proj_out": GATHER_TOKENS}
 
 
 def ltx_sharding_plan(model) -> dict:
     """The model's ``_cp_plan`` without its text entries, with per-token timesteps (see the module docstring)."""
-    plan = getattr(model, "_cp_plan", None)
-    plan = plan_without(plan, _TEXT_ENTRIES) if plan else dict(_LTX_PLAN)
-    plan[""] = {**plan.get("", {}), **_TIMESTEP}
-    return plan
-
-
-def ltx_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn1`` (video self-attention; cross-attention is left alone)."""
-    return [(f"transformer_blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.transformer_blocks)]
+    return model_plan(model, _LTX_PLAN, _TEXT_ENTRIES, _TIMESTEP)
 
 
 LTX = FamilySpec(
-    name="ltx",
-    model_classes=("LTXVideoTransformer3DModel",),
-    is_video=True,
-    patch_size=ltx_patch_size,
-    sharding_plan=ltx_sharding_plan,
-    attention_modules=ltx_attention_modules,
-    joint_text=None,
-    text_mask=True,
-    cfg_strategy="batch",
-    note="text in cross-attention; per-token timesteps (image-to-video, condition) split",
-)
+    name="ltx", model_classes=("LTXVideoTransformer3DModel",), is_video=True,
+    sharding_plan=ltx_sharding_plan, attention_modules=("transformer_blocks.*.attn1",),
+    text_mask=True, cfg_strategy="batch",
+    note="text in cross-attention; per-token timesteps (image-to-video, condition) split")

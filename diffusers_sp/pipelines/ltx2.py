@@ -29,7 +29,7 @@ Sharding plan, derived from the model's Diffusers ``_cp_plan``:
 * ``hidden_states`` ``[B, S, C]`` split along dim 1, ``proj_out`` gathered (as in the plan);
 * the video RoPE tables of ``rope`` split in both of the model's layouts (``rope_type``):
   ``[B, S, D]`` (interleaved) along dim 1 and ``[B, H, S, D / 2]`` (split, LTX-2.3) along dim 2
-  (:class:`~diffusers_sp.sharding.SplitByDims`; Diffusers' plan covers only the first);
+  (:class:`~diffusers_sp.plan_entries.SplitByDims`; Diffusers' plan covers only the first);
 * the same for ``cross_attn_rope``, absent from Diffusers' plan: its video table rotates the queries
   of the audio-to-video call and the keys of the video-to-audio call, both video shards here;
 * the per-token ``timestep`` ``[B, S]`` (image-to-video, condition, IC-LoRA and DFR pipelines: the
@@ -44,8 +44,8 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput
 
-from ..sharding import SplitByDims
-from . import FamilySpec, plan_without
+from ..plan_entries import SplitByDims
+from .spec import FamilySpec, plan_without
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "encoder_attention_mask")}
 #: A RoPE table ``(cos, sin)`` of the video tokens, in either layout.
@@ -66,11 +66,6 @@ _REFUSED_INPUTS = {
 }
 
 
-def ltx2_patch_size(model) -> tuple[int, ...]:
-    """Patch size of an ``LTX2VideoTransformer3DModel`` from its config, frames first."""
-    return (int(model.config.patch_size_t), int(model.config.patch_size), int(model.config.patch_size))
-
-
 def ltx2_sharding_plan(model) -> dict:
     """The model's ``_cp_plan`` without its text entries, with both RoPE layouts, the cross-modal
     RoPE and the per-token inputs (see the module docstring)."""
@@ -81,28 +76,10 @@ def ltx2_sharding_plan(model) -> dict:
     return plan
 
 
-def ltx2_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn1``: the video self-attention."""
-    return [(f"transformer_blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.transformer_blocks)]
-
-
-def ltx2_split_kv_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.video_to_audio_attn``: whole audio queries over the split video."""
-    return [(f"transformer_blocks.{i}.video_to_audio_attn", b.video_to_audio_attn)
-            for i, b in enumerate(model.transformer_blocks)]
-
-
 LTX2 = FamilySpec(
-    name="ltx2",
-    model_classes=("LTX2VideoTransformer3DModel",),
-    is_video=True,
-    patch_size=ltx2_patch_size,
-    sharding_plan=ltx2_sharding_plan,
-    attention_modules=ltx2_attention_modules,
-    split_kv_attention_modules=ltx2_split_kv_attention_modules,
-    joint_text=None,
-    text_mask=True,
-    unsupported_inputs=_REFUSED_INPUTS,
-    attention_call="dispatch",
-    note="video split, text and audio whole; video-to-audio attention gathers the video K/V in every mode",
-)
+    name="ltx2", model_classes=("LTX2VideoTransformer3DModel",), is_video=True,
+    sharding_plan=ltx2_sharding_plan, attention_modules=("transformer_blocks.*.attn1",),
+    # Whole audio queries over the split video.
+    split_kv_attention_modules=("transformer_blocks.*.video_to_audio_attn",),
+    text_mask=True, unsupported_inputs=_REFUSED_INPUTS, attention_call="dispatch",
+    note="video split, text and audio whole; video-to-audio attention gathers the video K/V in every mode")

@@ -22,7 +22,7 @@ row, and attends to the same valid tokens: the result is the model's, up to the 
 softmax sums (the padding rows, masked as keys and cut at the output, hold the caption refiner's
 padding outputs instead of zeros). Without padding (equal ``c_i``) nothing changes. The plan then
 splits the image part of the joint hidden states (``layers.0``), mask and RoPE table (every block)
-as :class:`~diffusers_sp.sharding.JointSequence` entries and gathers it at the output of
+as :class:`~diffusers_sp.plan_entries.JointSequence` entries and gathers it at the output of
 ``norm_out``, before the model cuts out each sample's image tokens.
 """
 
@@ -32,8 +32,8 @@ import torch
 from diffusers.hooks import ModelHook
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ..sharding import JointSequence
-from . import FamilySpec
+from ..plan_entries import JointSequence
+from .spec import FamilySpec
 
 #: ``SequenceState.extra`` key of the current forward's joint key padding mask (``None``: no padding).
 _MASK = "lumina2_joint_mask"
@@ -41,11 +41,6 @@ _MASK = "lumina2_joint_mask"
 
 def _tokens(dims: int) -> ContextParallelInput:
     return ContextParallelInput(split_dim=1, expected_dims=dims, split_output=False)
-
-
-def lumina2_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``Lumina2Transformer2DModel`` from its config."""
-    return (int(model.config.patch_size),) * 2
 
 
 def lumina2_sharding_plan(model) -> dict:
@@ -118,25 +113,11 @@ def lumina2_forward_hooks(model, state) -> dict:
     return {"rope_embedder": lambda: _OneCaptionPrefix(state), "layers.*": lambda: _JointMask(state)}
 
 
-def lumina2_attention_modules(model) -> list:
-    """``noise_refiner.{i}.attn`` (image tokens) and ``layers.{i}.attn`` (caption + image); the
-    caption-only ``context_refiner`` runs whole on every rank."""
-    return ([(f"noise_refiner.{i}.attn", b.attn) for i, b in enumerate(model.noise_refiner)]
-            + [(f"layers.{i}.attn", b.attn) for i, b in enumerate(model.layers)])
-
-
 LUMINA2 = FamilySpec(
-    name="lumina2",
-    model_classes=("Lumina2Transformer2DModel",),
-    is_video=False,
-    patch_size=lumina2_patch_size,
-    sharding_plan=lumina2_sharding_plan,
-    attention_modules=lumina2_attention_modules,
-    joint_text="prefix",
-    text_mask=True,
-    forward_hooks=lumina2_forward_hooks,
+    name="lumina2", model_classes=("Lumina2Transformer2DModel",), is_video=False,
+    # The caption-only context_refiner runs whole on every rank.
+    sharding_plan=lumina2_sharding_plan, attention_modules=("noise_refiner.*.attn", "layers.*.attn"),
+    joint_text="prefix", text_mask=True, forward_hooks=lumina2_forward_hooks,
     # Lumina2Pipeline makes its two CFG calls without Diffusers' cache_context names, so the CFG
     # hook could never pair them: CFG parallelism would only compute each call twice.
-    cfg_strategy=None,
-    note="per-sample caption lengths aligned to one text prefix; the noise refiner split",
-)
+    cfg_strategy=None, note="per-sample caption lengths aligned to one text prefix; the noise refiner split")

@@ -14,42 +14,15 @@ sin, dim 0) are split, and ``proj_out`` is gathered.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from . import FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
 
-_MOCHI_PLAN = {
-    "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
-    "rope": {0: ContextParallelInput(split_dim=0, expected_dims=3, split_output=True),
-             1: ContextParallelInput(split_dim=0, expected_dims=3, split_output=True)},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
-
-
-def mochi_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``MochiTransformer3DModel`` from its config, frames first."""
-    return (1, int(model.config.patch_size), int(model.config.patch_size))
-
-
-def mochi_sharding_plan(model) -> dict:
-    """The explicit plan of the module docstring."""
-    return dict(_MOCHI_PLAN)
-
-
-def mochi_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn1`` (joint video + text attention)."""
-    return [(f"transformer_blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.transformer_blocks)]
-
+_ROPE = ContextParallelInput(split_dim=0, expected_dims=3, split_output=True)
 
 MOCHI = FamilySpec(
-    name="mochi",
-    model_classes=("MochiTransformer3DModel",),
-    is_video=True,
-    patch_size=mochi_patch_size,
-    sharding_plan=mochi_sharding_plan,
-    attention_modules=mochi_attention_modules,
-    joint_text="suffix",
-    text_mask=True,
-    cfg_strategy="batch",
-    note="text after the video, its valid tokens per sample",
-)
+    name="mochi", model_classes=("MochiTransformer3DModel",), is_video=True,
+    sharding_plan={"transformer_blocks.0": {"hidden_states": SPLIT_TOKENS}, "rope": {0: _ROPE, 1: _ROPE},
+                   "proj_out": GATHER_TOKENS},
+    attention_modules=("transformer_blocks.*.attn1",), joint_text="suffix", text_mask=True, cfg_strategy="batch",
+    note="text after the video, its valid tokens per sample")

@@ -18,49 +18,28 @@ split like the image tokens; the ControlNet runs whole on every rank.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from . import CONTROLNET_RESIDUALS, FamilySpec, plan_without
+from .spec import CONTROLNET_RESIDUALS, GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, model_plan
 
 _TEXT_ENTRIES = {"transformer_blocks.0": ("encoder_hidden_states",),
                  "transformer_blocks.*": ("encoder_hidden_states_mask",),
                  "pos_embed": (1,)}
 _QWEN_PLAN = {
-    "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
+    "transformer_blocks.0": {"hidden_states": SPLIT_TOKENS},
     "transformer_blocks.*": {"modulate_index": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)},
     "pos_embed": {0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    "proj_out": GATHER_TOKENS,
 }
 
 
-def qwenimage_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``QwenImageTransformer2DModel`` from its config."""
-    return (int(model.config.patch_size),) * 2
-
-
 def qwenimage_sharding_plan(model) -> dict:
-    """The model's ``_cp_plan`` without its text entries (see the module docstring)."""
-    plan = getattr(model, "_cp_plan", None)
-    plan = plan_without(plan, _TEXT_ENTRIES) if plan else dict(_QWEN_PLAN)
-    plan[""] = {**plan.get("", {}), "controlnet_block_samples": CONTROLNET_RESIDUALS}
-    return plan
-
-
-def qwenimage_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn`` (joint text + image attention)."""
-    return [(f"transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.transformer_blocks)]
+    """The model's ``_cp_plan`` without its text entries, ControlNet residuals added (see the module docstring)."""
+    return model_plan(model, _QWEN_PLAN, _TEXT_ENTRIES, {"controlnet_block_samples": CONTROLNET_RESIDUALS})
 
 
 QWENIMAGE = FamilySpec(
-    name="qwenimage",
-    model_classes=("QwenImageTransformer2DModel",),
-    is_video=False,
-    patch_size=qwenimage_patch_size,
-    sharding_plan=qwenimage_sharding_plan,
-    attention_modules=qwenimage_attention_modules,
-    joint_text="prefix",
-    text_mask=True,
-    cfg_strategy="two_call",
-    cfg_by_default=False,
-    note="text first; Edit's reference-image tokens and ControlNet residuals split with the image",
-)
+    name="qwenimage", model_classes=("QwenImageTransformer2DModel",), is_video=False,
+    sharding_plan=qwenimage_sharding_plan, attention_modules=("transformer_blocks.*.attn",),
+    joint_text="prefix", text_mask=True, cfg_strategy="two_call", cfg_by_default=False,
+    note="text first; Edit's reference-image tokens and ControlNet residuals split with the image")

@@ -22,10 +22,10 @@ every rank, so its block-causal calls run unchanged, as do the cache writes and 
 target's call becomes K/V-gather over ``[prefix; all target tokens]`` in both modes
 (:class:`~diffusers_sp.processors.kv_gather.PrefixKVAttnProcessor`, in dispatch mode: Diffusers' processor
 passes its ``_parallel_config`` with every call). The target length ``S`` comes from ``img_shapes``
-(its last entry; :class:`~diffusers_sp.sharding.SequenceLength`); it is a multiple of 4 (each
+(its last entry; :class:`~diffusers_sp.plan_entries.SequenceLength`); it is a multiple of 4 (each
 vision-language slot stands for 2 x 2 latent tokens), so it divides evenly over 2 ranks.
 
-Sharding plan (no Diffusers ``_cp_plan``): with text-first :class:`~diffusers_sp.sharding.JointSequence`
+Sharding plan (no Diffusers ``_cp_plan``): with text-first :class:`~diffusers_sp.plan_entries.JointSequence`
 entries (the prefix whole, the last S entries split) the joint hidden states at the first block
 (``[B, W + S, C]``), and at every block the RoPE table (``[W + S, D/2]`` complex),
 ``target_token_mask`` (``[W + S]``), the key mask (``key_valid``, ``[B, W + S]``) and the cached steps'
@@ -42,8 +42,8 @@ import math
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
 from ..processors.kv_gather import PrefixKVAttnProcessor
-from ..sharding import JointSequence, SequenceLength
-from . import FamilySpec
+from ..plan_entries import JointSequence, SequenceLength
+from .spec import FamilySpec
 
 
 def _target_tokens(img_shapes) -> int:
@@ -68,31 +68,8 @@ _QWENIMAGE21_PLAN = {
 }
 
 
-def qwenimage21_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``QwenImage21Transformer2DModel`` from its config (1 as released: unpatched latents)."""
-    return (int(model.config.patch_size),) * 2
-
-
-def qwenimage21_sharding_plan(model) -> dict:
-    """The plan of the module docstring."""
-    return dict(_QWENIMAGE21_PLAN)
-
-
-def qwenimage21_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn`` (the joint block-causal attention)."""
-    return [(f"transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.transformer_blocks)]
-
-
 QWENIMAGE21 = FamilySpec(
-    name="qwenimage21",
-    model_classes=("QwenImage21Transformer2DModel",),
-    is_video=False,
-    patch_size=qwenimage21_patch_size,
-    sharding_plan=qwenimage21_sharding_plan,
-    attention_modules=qwenimage21_attention_modules,
-    joint_text="prefix",
-    text_mask=True,
-    attention_call="dispatch",
-    attention_processor=PrefixKVAttnProcessor,
-    note="the target image split, the text and condition-image prefix whole; K/V-gather in both modes",
-)
+    name="qwenimage21", model_classes=("QwenImage21Transformer2DModel",), is_video=False,
+    sharding_plan=_QWENIMAGE21_PLAN, attention_modules=("transformer_blocks.*.attn",),
+    joint_text="prefix", text_mask=True, attention_call="dispatch", attention_processor=PrefixKVAttnProcessor,
+    note="the target image split, the text and condition-image prefix whole; K/V-gather in both modes")

@@ -14,9 +14,9 @@ two ways that decide what sequence parallelism is here:
   convolutions over the 2-D token grid (the block reshapes its tokens with ``unflatten(1, (height,
   width))``). A token's output depends on its 8 neighbours, which lie on other ranks at a shard's
   edges. The blocks' ``height`` / ``width`` arguments are replaced by ``(S_r, 1)``
-  (:class:`~diffusers_sp.sharding.GridSide`), so that the reshape keeps the shard as one column, and the
+  (:class:`~diffusers_sp.grid_window.GridSide`), so that the reshape keeps the shard as one column, and the
   feed-forward runs on whole rows around the shard, completed with one row of neighbours above and
-  below (:class:`~diffusers_sp.sharding.GridWindow`: one small all-gather of shard ends per block;
+  below (:class:`~diffusers_sp.grid_window.GridWindow`: one small all-gather of shard ends per block;
   the halo rows' feed-forward is computed twice, by both ranks that need it).
 
 Sharding plan (no Diffusers ``_cp_plan``): split the output of ``patch_embed`` (``[B, S, C]``, dim 1;
@@ -39,13 +39,8 @@ from __future__ import annotations
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
 from ..processors.linear import LinearAttnProcessor
-from ..sharding import GridSide, GridWindow
-from . import CONTROLNET_RESIDUALS, FamilySpec
-
-
-def sana_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``SanaTransformer2DModel`` from its config."""
-    return (int(model.config.patch_size),) * 2
+from ..grid_window import GridSide, GridWindow
+from .spec import CONTROLNET_RESIDUALS, FamilySpec
 
 
 def sana_sharding_plan(model) -> dict:
@@ -61,19 +56,9 @@ def sana_sharding_plan(model) -> dict:
     return plan
 
 
-def sana_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn1``: the linear self-attention (``attn2`` attends to the text)."""
-    return [(f"transformer_blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.transformer_blocks)]
-
-
 SANA = FamilySpec(
-    name="sana",
-    model_classes=("SanaTransformer2DModel",),
-    is_video=False,
-    patch_size=sana_patch_size,
-    sharding_plan=sana_sharding_plan,
-    attention_modules=sana_attention_modules,
+    name="sana", model_classes=("SanaTransformer2DModel",), is_video=False,
+    sharding_plan=sana_sharding_plan, attention_modules=("transformer_blocks.*.attn1",),  # attn2: the text
     attention_processor=LinearAttnProcessor,
     swapped_processors=("PAGCFGSanaLinearAttnProcessor2_0", "PAGIdentitySanaLinearAttnProcessor2_0"),
-    note="linear attention: its key sums all-reduced; the convolutional feed-forward gets its neighbour rows",
-)
+    note="linear attention: its key sums all-reduced; the convolutional feed-forward gets its neighbour rows")

@@ -18,10 +18,10 @@
   unflattens its tokens into ``[B, F, H, W, C]`` with its ``frames``, ``height`` and ``width``
   arguments, and the output at a token depends on the 3 x 3 tokens around it in its frame (a
   depthwise convolution) and on the frames before and after it (a temporal convolution of 3). The
-  blocks get ``(1, S_r, 1)`` for them (:class:`~diffusers_sp.sharding.GridSide`), so that their
+  blocks get ``(1, S_r, 1)`` for them (:class:`~diffusers_sp.grid_window.GridSide`), so that their
   local tokens unflatten; :class:`SanaFeedForwardHook` runs the module on whole frames: the rank's
   frames and one on either side, completed with the neighbouring ranks' tokens by Sana's grid window
-  (:class:`~diffusers_sp.sharding.GridWindowHook` over a grid whose rows are frames: one all-gather of
+  (:class:`~diffusers_sp.grid_window.GridWindowHook` over a grid whose rows are frames: one all-gather of
   at most two frames from each end of every shard), and returns the rank's tokens.
 
 Sharding plan (explicit; Diffusers 0.42 ships no ``_cp_plan`` for this model): split the RoPE tables
@@ -29,7 +29,7 @@ Sharding plan (explicit; Diffusers 0.42 ships no ``_cp_plan`` for this model): s
 (``[B, S, C]``, dim 1), at every block its grid sides and its modulation, and the modulation at
 ``norm_out`` (``[B, S, 6C]`` and ``[B, S, C]`` when the timestep is per token, as the image-to-video
 pipeline passes it with a zero timestep for the first frame; one row per sample, ``[B, 1, .]``,
-passes whole: :class:`~diffusers_sp.sharding.SplitUnlessBroadcast`), ControlNet residuals at the model
+passes whole: :class:`~diffusers_sp.plan_entries.SplitUnlessBroadcast`), ControlNet residuals at the model
 input; gather ``proj_out``. Cross-attention (``attn2``, video queries over the text) needs no
 communication.
 
@@ -44,9 +44,10 @@ from diffusers.models._modeling_parallel import ContextParallelInput, ContextPar
 
 from ..comm import all_reduce_sum
 from ..processors.base import SequenceParallelAttnProcessor
-from ..sharding import GridSide, GridWindow, GridWindowHook, SplitUnlessBroadcast
-from ..validation import SequenceParallelConfigError
-from . import CONTROLNET_RESIDUALS, FamilySpec
+from ..grid_window import GridSide, GridWindow, GridWindowHook
+from ..plan_entries import SplitUnlessBroadcast
+from ..errors import SequenceParallelConfigError
+from .spec import CONTROLNET_RESIDUALS, FamilySpec
 from .wan import _wan_rope
 
 _TOKENS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
@@ -133,8 +134,8 @@ class SanaFeedForwardHook(ModelHook):
     """Runs a block's ``GLUMBTempConv`` on this rank's tokens (see the module docstring).
 
     The block hands it ``[B, 1, S_r, 1, C]`` (its local tokens, unflattened with the grid sides
-    :class:`~diffusers_sp.sharding.GridSide` gave it); the hook lays them out as the column
-    ``[B, C, S_r, 1]`` that :class:`~diffusers_sp.sharding.GridWindowHook` takes, over a grid whose rows
+    :class:`~diffusers_sp.grid_window.GridSide` gave it); the hook lays them out as the column
+    ``[B, C, S_r, 1]`` that :class:`~diffusers_sp.grid_window.GridWindowHook` takes, over a grid whose rows
     are whole frames (``F`` rows of ``H * W`` tokens, halo one row: the temporal convolution's reach,
     and the spatial one stays inside a row), hands the module the window it returns (whole frames,
     ``[B, frames, H, W, C]``), and hands the block back the rank's ``[B, 1, S_r, 1, C]``.
@@ -200,22 +201,12 @@ def sana_video_forward_hooks(model, state) -> dict:
     return {f"transformer_blocks.{i}.ff": (lambda: SanaFeedForwardHook(state)) for i in range(len(model.transformer_blocks))}
 
 
-def sana_video_attention_modules(model) -> list:
-    """``transformer_blocks.{i}.attn1`` (linear self-attention over the video tokens)."""
-    return [(f"transformer_blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.transformer_blocks)]
-
-
 SANA_VIDEO = FamilySpec(
-    name="sana_video",
-    model_classes=("SanaVideoTransformer3DModel",),
-    is_video=True,
-    patch_size=sana_video_patch_size,
-    sharding_plan=sana_video_sharding_plan,
-    attention_modules=sana_video_attention_modules,
-    forward_hooks=sana_video_forward_hooks,
+    name="sana_video", model_classes=("SanaVideoTransformer3DModel",), is_video=True,
+    patch_size=sana_video_patch_size, sharding_plan=sana_video_sharding_plan,
+    attention_modules=("transformer_blocks.*.attn1",), forward_hooks=sana_video_forward_hooks,
     attention_processor=SanaVideoLinearAttnProcessor,
     vsa_refusal="Sana-Video's self-attention is linear attention (ReLU features, no softmax), and VSA takes over "
                 "softmax attention calls",
     cfg_strategy="batch",
-    note="linear self-attention: its sums over tokens all-reduced; the feed-forward convolution on a window of frames",
-)
+    note="linear self-attention: its sums over tokens all-reduced; the feed-forward convolution on a window of frames")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from . import CONTROLNET_RESIDUALS, FamilySpec
+from .spec import CONTROLNET_RESIDUALS, FamilySpec
 
 _SD3_PLAN = {
     "": {"block_controlnet_hidden_states": CONTROLNET_RESIDUALS},
@@ -39,26 +39,8 @@ def sd3_attention_modules(model) -> list:
     return found
 
 
-def sd3_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``SD3Transformer2DModel`` from its config."""
-    return (int(model.config.patch_size),) * 2
-
-
-def sd3_sharding_plan(model) -> dict:
-    """The explicit plan of the module docstring."""
-    return dict(_SD3_PLAN)
-
-
 SD3 = FamilySpec(
-    name="sd3",
-    model_classes=("SD3Transformer2DModel",),
-    is_video=False,
-    patch_size=sd3_patch_size,
-    sharding_plan=sd3_sharding_plan,
-    attention_modules=sd3_attention_modules,
-    joint_text="suffix",
-    text_mask=False,
-    cfg_strategy="batch",
+    name="sd3", model_classes=("SD3Transformer2DModel",), is_video=False,
+    sharding_plan=_SD3_PLAN, attention_modules=sd3_attention_modules, joint_text="suffix", cfg_strategy="batch",
     swapped_processors=("PAGJointAttnProcessor2_0", "PAGCFGJointAttnProcessor2_0"),
-    note="text after the image; ControlNet residuals split; PAG processors wrapped per call",
-)
+    note="text after the image; ControlNet residuals split; PAG processors wrapped per call")

@@ -26,17 +26,14 @@ the call (VSA tiles cannot follow the mask).
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from . import FamilySpec
-from .wan import wan_latent_grid, wan_patch_size
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
+from .wan import WAN_ATTENTION, WAN_ROPE, wan_latent_grid
 
-_SPLIT_TOKENS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
-_SPLIT_ROPE = ContextParallelInput(split_dim=1, expected_dims=4, split_output=True)
 #: The blocks' modulation under diffusion forcing, ``[B, 6, S, C]``; the 3-D ``[B, 6, C]`` of one
 #: timestep per sample passes whole.
 _SPLIT_PER_TOKEN_TEMB = ContextParallelInput(split_dim=2, expected_dims=4, split_output=False)
-_GATHER_TOKENS = ContextParallelOutput(gather_dim=1, expected_dims=3)
 
 
 def skyreels_v2_sharding_plan(model) -> dict:
@@ -47,28 +44,15 @@ def skyreels_v2_sharding_plan(model) -> dict:
     last = len(model.blocks) - 1
     gather_at = f"blocks.{last}" if last > 0 else "norm_out"
     return {
-        "rope": {0: _SPLIT_ROPE, 1: _SPLIT_ROPE},
-        "blocks.0": {"hidden_states": _SPLIT_TOKENS},
+        "rope": {0: WAN_ROPE, 1: WAN_ROPE},
+        "blocks.0": {"hidden_states": SPLIT_TOKENS},
         "blocks.*": {"temb": _SPLIT_PER_TOKEN_TEMB},
-        gather_at: _GATHER_TOKENS,
+        gather_at: GATHER_TOKENS,
     }
 
 
-def skyreels_v2_attention_modules(model) -> list:
-    """``blocks.{i}.attn1`` (video self-attention) of every block."""
-    return [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(model.blocks)]
-
-
 SKYREELS_V2 = FamilySpec(
-    name="skyreels_v2",
-    model_classes=("SkyReelsV2Transformer3DModel",),
-    is_video=True,
-    patch_size=wan_patch_size,
-    sharding_plan=skyreels_v2_sharding_plan,
-    attention_modules=skyreels_v2_attention_modules,
-    modes=("ulysses", "kv_gather", "vsa"),
-    latent_grid=wan_latent_grid,
-    attention_call="dispatch",
-    cfg_strategy="two_call",
-    note="diffusion forcing: per-frame modulation split with the tokens, block-causal frame mask applied exactly",
-)
+    name="skyreels_v2", model_classes=("SkyReelsV2Transformer3DModel",), is_video=True,
+    sharding_plan=skyreels_v2_sharding_plan, attention_modules=WAN_ATTENTION, modes=("ulysses", "kv_gather", "vsa"),
+    latent_grid=wan_latent_grid, attention_call="dispatch", cfg_strategy="two_call",
+    note="diffusion forcing: per-frame modulation split with the tokens, block-causal frame mask applied exactly")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import inspect
 
 import torch
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from . import FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, latent_grid_of
 
 # ((WanAttnProcessor and its copies), the signature of its __call__): what the K/V-first hook mirrors
 # and how it binds the processor's arguments. Wan Animate's module holds a copy of the class, kept
@@ -40,37 +40,16 @@ def _wan_processor() -> tuple:
     return _WAN_PROCESSOR
 
 # The plan Diffusers 0.42 ships as WanTransformer3DModel._cp_plan; used when a model lacks one.
-_WAN_PLAN = {
-    "rope": {0: ContextParallelInput(split_dim=1, expected_dims=4, split_output=True),
-             1: ContextParallelInput(split_dim=1, expected_dims=4, split_output=True)},
-    "blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-    "": {"timestep": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)},
-}
+#: Wan's RoPE tables ``[1, S, 1, D]`` (outputs of its ``rope``), split like the tokens.
+WAN_ROPE = ContextParallelInput(split_dim=1, expected_dims=4, split_output=True)
+_WAN_PLAN = {"rope": {0: WAN_ROPE, 1: WAN_ROPE}, "blocks.0": {"hidden_states": SPLIT_TOKENS}, "proj_out": GATHER_TOKENS,
+             "": {"timestep": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)}}
 
 
-def wan_patch_size(model) -> tuple[int, ...]:
-    """Patch size of a ``WanTransformer3DModel`` from its config, frames first."""
-    return tuple(int(p) for p in model.config.patch_size)
-
-
-def wan_sharding_plan(model) -> dict:
-    """The model's Diffusers ``_cp_plan`` (or the 0.42 plan when absent), whose splits are made uneven-aware."""
-    return dict(getattr(model, "_cp_plan", None) or _WAN_PLAN)
-
-
-def wan_latent_grid(model, args, kwargs) -> tuple[int, int, int]:
-    """Patchified latent grid ``(frames, height, width)`` of a forward call: ``hidden_states``
-    ``[B, C, F, H, W]`` divided by the config's ``patch_size`` ``(p_t, p_h, p_w)``."""
-    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    p_t, p_h, p_w = model.config.patch_size
-    _, _, frames, height, width = hidden.shape
-    return frames // p_t, height // p_h, width // p_w
-
-
-def wan_attention_modules(model) -> list:
-    """``blocks.{i}.attn1`` (video self-attention) of every block."""
-    return [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(model.blocks)]
+#: Wan's patchified latent grid: ``hidden_states`` ``[B, C, F, H, W]`` over the config's patch size.
+wan_latent_grid = latent_grid_of("BCFHW")
+#: The video self-attention of every Wan block (Wan Animate's and SkyReels-V2's too).
+WAN_ATTENTION = ("blocks.*.attn1",)
 
 
 def _wan_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -141,15 +120,9 @@ def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv
 
 
 WAN = FamilySpec(
-    name="wan",
-    model_classes=("WanTransformer3DModel",),
-    is_video=True,
-    patch_size=wan_patch_size,
-    sharding_plan=wan_sharding_plan,
-    attention_modules=wan_attention_modules,
-    modes=("ulysses", "kv_gather", "vsa"),
-    latent_grid=wan_latent_grid,
-    self_attention_kv_first=wan_self_attention_kv_first,
+    name="wan", model_classes=("WanTransformer3DModel",), is_video=True,
+    # The model's Diffusers _cp_plan (or the 0.42 plan when absent), whose splits are made uneven-aware.
+    sharding_plan=lambda model: dict(getattr(model, "_cp_plan", None) or _WAN_PLAN), attention_modules=WAN_ATTENTION,
+    modes=("ulysses", "kv_gather", "vsa"), latent_grid=wan_latent_grid, self_attention_kv_first=wan_self_attention_kv_first,
     cfg_strategy="two_call",
-    note="text in cross-attention; Wan 2.2's two transformers; TI2V per-token timesteps split; K and V made before Q",
-)
+    note="text in cross-attention; Wan 2.2's two transformers; TI2V per-token timesteps split; K and V made before Q")

@@ -9,7 +9,7 @@ runs over video tokens only, in dispatch mode (the processor marks it) with Wan'
 
 Sharding plan (Diffusers ships no ``_cp_plan`` for it): the RoPE tables and the first block's video
 tokens split as in Wan, ``proj_out`` gathered. The face adapter groups its queries by frame, which a
-shard cut inside a frame cannot do, so its input is gathered whole (:class:`~diffusers_sp.sharding.GatherInput`)
+shard cut inside a frame cannot do, so its input is gathered whole (:class:`~diffusers_sp.plan_entries.GatherInput`)
 and its output split again: one all-gather of ``[B, S, C]`` per adapter (every fifth block by default,
 about a tenth of K/V-gather's traffic) and the adapter's per-token work on every rank; exact, in VSA's
 tile order too. The motion and face encoders run whole on every rank (they see no video token).
@@ -19,44 +19,18 @@ VSA runs on the latent grid read as in Wan (``hidden_states`` ``[B, 2C + 4, F, H
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from ..sharding import GatherInput
-from . import FamilySpec
-from .wan import wan_latent_grid, wan_patch_size, wan_self_attention_kv_first
-
-_SPLIT_ROPE = ContextParallelInput(split_dim=1, expected_dims=4, split_output=True)
-_WAN_ANIMATE_PLAN = {
-    "rope": {0: _SPLIT_ROPE, 1: _SPLIT_ROPE},
-    "blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
-    "face_adapter.*": {"hidden_states": GatherInput(gather_dim=1, expected_dims=3),
-                       0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
-
-
-def wan_animate_sharding_plan(model) -> dict:
-    """The plan of the module docstring (a copy)."""
-    return dict(_WAN_ANIMATE_PLAN)
-
-
-def wan_animate_attention_modules(model) -> list:
-    """``blocks.{i}.attn1`` (video self-attention) of every block."""
-    return [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(model.blocks)]
-
+from ..plan_entries import GatherInput
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
+from .wan import WAN_ATTENTION, WAN_ROPE, wan_latent_grid, wan_self_attention_kv_first
 
 WAN_ANIMATE = FamilySpec(
-    name="wan_animate",
-    model_classes=("WanAnimateTransformer3DModel",),
-    is_video=True,
-    patch_size=wan_patch_size,
-    sharding_plan=wan_animate_sharding_plan,
-    attention_modules=wan_animate_attention_modules,
-    modes=("ulysses", "kv_gather", "vsa"),
-    latent_grid=wan_latent_grid,
-    self_attention_kv_first=wan_self_attention_kv_first,
-    attention_call="dispatch",
-    cfg_strategy="two_call",
-    cfg_by_default=False,
-    note="the face adapter (per-frame cross-attention) runs on the gathered tokens",
-)
+    name="wan_animate", model_classes=("WanAnimateTransformer3DModel",), is_video=True,
+    sharding_plan={"rope": {0: WAN_ROPE, 1: WAN_ROPE}, "blocks.0": {"hidden_states": SPLIT_TOKENS},
+                   "face_adapter.*": {"hidden_states": GatherInput(gather_dim=1, expected_dims=3),
+                                      0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+                   "proj_out": GATHER_TOKENS},
+    attention_modules=WAN_ATTENTION, modes=("ulysses", "kv_gather", "vsa"), latent_grid=wan_latent_grid,
+    self_attention_kv_first=wan_self_attention_kv_first, attention_call="dispatch", cfg_strategy="two_call",
+    cfg_by_default=False, note="the face adapter (per-frame cross-attention) runs on the gathered tokens")

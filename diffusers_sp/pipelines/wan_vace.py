@@ -21,43 +21,14 @@ any; a Wan file lacks the VACE blocks' keys and is refused, naming the first mis
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-
-from . import FamilySpec
-from .wan import wan_latent_grid, wan_patch_size, wan_self_attention_kv_first
-
-_SPLIT_TOKENS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
-_SPLIT_ROPE = ContextParallelInput(split_dim=1, expected_dims=4, split_output=True)
-_WAN_VACE_PLAN = {
-    "rope": {0: _SPLIT_ROPE, 1: _SPLIT_ROPE},
-    "vace_blocks.0": {"hidden_states": _SPLIT_TOKENS, "control_hidden_states": _SPLIT_TOKENS},
-    "blocks.0": {"hidden_states": _SPLIT_TOKENS},
-    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-}
-
-
-def wan_vace_sharding_plan(model) -> dict:
-    """The plan of the module docstring (a copy)."""
-    return dict(_WAN_VACE_PLAN)
-
-
-def wan_vace_attention_modules(model) -> list:
-    """``blocks.{i}.attn1`` then ``vace_blocks.{i}.attn1`` (video self-attention)."""
-    return ([(f"blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.blocks)]
-            + [(f"vace_blocks.{i}.attn1", b.attn1) for i, b in enumerate(model.vace_blocks)])
-
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
+from .wan import WAN_ATTENTION, WAN_ROPE, wan_latent_grid, wan_self_attention_kv_first
 
 WAN_VACE = FamilySpec(
-    name="wan_vace",
-    model_classes=("WanVACETransformer3DModel",),
-    is_video=True,
-    patch_size=wan_patch_size,
-    sharding_plan=wan_vace_sharding_plan,
-    attention_modules=wan_vace_attention_modules,
-    modes=("ulysses", "kv_gather", "vsa"),
-    latent_grid=wan_latent_grid,
-    self_attention_kv_first=wan_self_attention_kv_first,
-    attention_call="dispatch",
-    cfg_strategy="two_call",
-    note="the VACE control branch and its hints split like the video tokens",
-)
+    name="wan_vace", model_classes=("WanVACETransformer3DModel",), is_video=True,
+    sharding_plan={"rope": {0: WAN_ROPE, 1: WAN_ROPE}, "blocks.0": {"hidden_states": SPLIT_TOKENS},
+                   "vace_blocks.0": {"hidden_states": SPLIT_TOKENS, "control_hidden_states": SPLIT_TOKENS},
+                   "proj_out": GATHER_TOKENS},
+    attention_modules=(*WAN_ATTENTION, "vace_blocks.*.attn1"), modes=("ulysses", "kv_gather", "vsa"),
+    latent_grid=wan_latent_grid, self_attention_kv_first=wan_self_attention_kv_first, attention_call="dispatch",
+    cfg_strategy="two_call", note="the VACE control branch and its hints split like the video tokens")

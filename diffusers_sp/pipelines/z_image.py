@@ -35,11 +35,10 @@ attention call, and only the main layers' processors are wrapped.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelInput
 
-from . import CONTROLNET_RESIDUALS, FamilySpec
+from .spec import CONTROLNET_RESIDUALS, GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
 
-_TOKENS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
 _PER_TOKEN = ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)
 
 
@@ -53,29 +52,17 @@ def z_image_sharding_plan(model) -> dict:
     """The plan of the module docstring (one gather per final layer of ``all_final_layer``)."""
     plan = {
         "": {"controlnet_block_samples": CONTROLNET_RESIDUALS},
-        "layers.0": {"x": _TOKENS},
-        "layers.*": {"attn_mask": _PER_TOKEN, "freqs_cis": _TOKENS, "noise_mask": _PER_TOKEN},
+        "layers.0": {"x": SPLIT_TOKENS},
+        "layers.*": {"attn_mask": _PER_TOKEN, "freqs_cis": SPLIT_TOKENS, "noise_mask": _PER_TOKEN},
         "all_final_layer.*": {"noise_mask": _PER_TOKEN},
     }
     for key in model.all_final_layer:
-        plan[f"all_final_layer.{key}.linear"] = ContextParallelOutput(gather_dim=1, expected_dims=3)
+        plan[f"all_final_layer.{key}.linear"] = GATHER_TOKENS
     return plan
 
 
-def z_image_attention_modules(model) -> list:
-    """``layers.{i}.attention``: the unified sequence's self-attention (the refiners' stay whole)."""
-    return [(f"layers.{i}.attention", layer.attention) for i, layer in enumerate(model.layers)]
-
-
 Z_IMAGE = FamilySpec(
-    name="z_image",
-    model_classes=("ZImageTransformer2DModel",),
-    is_video=False,
-    patch_size=z_image_patch_size,
-    sharding_plan=z_image_sharding_plan,
-    attention_modules=z_image_attention_modules,
-    joint_text=None,
-    text_mask=True,
-    attention_call="dispatch",
-    note="the unified [image; caption] sequence split as a whole; refiners whole on every rank",
-)
+    name="z_image", model_classes=("ZImageTransformer2DModel",), is_video=False,
+    patch_size=z_image_patch_size, sharding_plan=z_image_sharding_plan, attention_modules=("layers.*.attention",),
+    text_mask=True, attention_call="dispatch",
+    note="the unified [image; caption] sequence split as a whole; refiners whole on every rank")
