@@ -1,5 +1,5 @@
 """Every Diffusers pipeline built on a transformer diffusers-sp runs is compared with one process or
-refused with a reason, and the README's coverage table is the registry's (diffusers_sp.coverage)."""
+refused with a reason, and docs/pipelines.md (with the README's totals) is the registry's (diffusers_sp.coverage)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import families
 from diffusers_sp import coverage
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,10 @@ def test_configs_name_real_pipelines(rows):
         assert name in known, f"tests/families/ configures {name}, which is not a pipeline on a transformer"
 
 
-def test_readme_table_is_the_registry(rows):
-    table = coverage.readme_table(README.read_text(encoding="utf-8"))
+def test_pipelines_doc_and_readme_totals_are_the_registry(rows):
+    doc = (ROOT / "docs" / "pipelines.md").read_text(encoding="utf-8")
+    table = coverage.marked_section(doc, coverage.TABLE_BEGIN, coverage.TABLE_END)
     assert table == coverage.markdown_table(rows), "run `python -m diffusers_sp.coverage --write`"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    totals = coverage.marked_section(readme, coverage.TOTALS_BEGIN, coverage.TOTALS_END)
+    assert totals == coverage.totals_line(rows), "run `python -m diffusers_sp.coverage --write`"
