@@ -45,7 +45,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
                              attention_kernel: str = "auto", sp_transport: str = "auto",
                              overlap_head_groups: int | str = "auto", overlap_query_projection: bool = True,
                              vsa_sparsity: float | None = None, vsa_tile_size: tuple[int, int, int] | None = None,
-                             vsa_sp_mode: str | None = None, vsa_gate_weights=None) -> SequenceParallelHandle:
+                             vsa_sp_mode: str | None = None, vsa_gate_weights=None,
+                             shard_weights: bool = False) -> SequenceParallelHandle:
     """Splits the token sequence of a pipeline's transformer(s) across the ranks of a process group.
 
     Every rank runs the same pipeline call; each transformer forward is split along its tokens
@@ -106,6 +107,13 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
         vsa_gate_weights: ``mode="vsa"`` only: path of a safetensors file or folder with
             ``blocks.{i}.to_gate_compress.{weight,bias}`` (a dict ``{attribute: path}`` for a pipeline
             with several transformers); ``None``: zero gate.
+        shard_weights: ``False`` (every rank holds the whole pipeline) or ``True``: every transformer and
+            text encoder is sharded with PyTorch's FSDP2 (``fully_shard``, one unit per block plus the
+            root) over the ranks that make one output together, so each rank holds about ``1/N`` of
+            those weights between forwards and gathers one or two blocks at a time (see
+            :mod:`diffusers_sp.weights`; ``handle.local_weight_bytes()`` reports what a rank holds).
+            Outputs stay exact. ``disable()`` gives back ordinary, whole modules. Load LoRA weights
+            before enabling (or disable, load, and enable again).
 
     Returns:
         A :class:`SequenceParallelHandle` with ``mode``, ``sp_mode``, ``ulysses_degree``,
@@ -120,13 +128,15 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             than ranks), a ``ulysses_degree`` that does not divide the group, exceeds the heads or
             contradicts the mode (the message lists the values that work), ``mode="hybrid"`` with a
             ``process_group`` or ``sp_transport="copy_engine"``, ``vsa_*`` options with another mode,
-            sequence parallelism already enabled on the target, or an unusable process group. Raised
+            sequence parallelism already enabled on the target, an unusable process group, or
+            ``shard_weights`` other than True / False or with what FSDP2 cannot run (Diffusers'
+            group offloading or layerwise casting, Accelerate's CPU offload, quantized weights). Raised
             before any collective, with the same message on every rank (ranks launched with different
             settings all get the same error).
     """
     given_vsa = {"vsa_sparsity": vsa_sparsity, "vsa_tile_size": vsa_tile_size, "vsa_sp_mode": vsa_sp_mode,
                  "vsa_gate_weights": vsa_gate_weights}
-    opts = EnableOptions(attention_kernel=attention_kernel, sp_transport=sp_transport,
+    opts = EnableOptions(attention_kernel=attention_kernel, sp_transport=sp_transport, shard_weights=shard_weights,
                          overlap_head_groups=overlap_head_groups, overlap_query_projection=overlap_query_projection,
                          **{k: VSA_DEFAULTS[k] if v is None else v for k, v in given_vsa.items()})
     # Every check that needs no other rank runs first. A rank whose settings are refused takes part in
@@ -149,7 +159,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
     handle = _make_handle(target, plan, opts, launch, kv_first=kv_first is not None)
     try:
         install(handle, target, plan, opts=opts, kv_first=kv_first, parallel_vae=parallel_vae,
-                replica_group=handle.groups.replica if handle.groups is not None else handle.group)
+                replica_group=handle.groups.replica if handle.groups is not None else handle.group,
+                process_group=process_group)
     except BaseException:
         handle.disable()  # nothing half-installed stays behind
         raise

@@ -132,6 +132,18 @@ class SequenceParallelHandle:
     groups: object = field(default=None, repr=False)
     _undo: list = field(default_factory=list, repr=False)
     _cfg_hooks: list = field(default_factory=list, repr=False)  # CFGParallelHook per transformer (stats)
+    weights: object = field(default=None, repr=False)  # diffusers_sp.weights.WeightSharding, shard_weights=True
+
+    def local_weight_bytes(self) -> dict[str, int]:
+        """``{component: bytes}`` of the parameters this rank holds of each transformer and text encoder
+        (``""`` for a model passed alone) between forwards: about ``1/N`` of each with
+        ``shard_weights=True`` (FSDP shards), the whole of each without."""
+        if self.weights is not None:
+            return self.weights.local_bytes()
+        from .weights import components_to_shard, parameter_bytes
+
+        models = [(mt.attribute, m.model) for mt, m in zip(self.traits.models, self._models)]
+        return {name: parameter_bytes(module) for name, module in components_to_shard(self.target, models)}
 
     def kernel_choice(self):
         """The local kernel that runs unmasked self-attention of the (first) transformer as it is now.
@@ -180,8 +192,13 @@ class SequenceParallelHandle:
 
     def disable(self) -> None:
         """Restores the original processors and removes every hook; outputs are then the model's own.
-        Caches, offloading, quantization and LoRA the user added stay as they are (with the attributes
-        diffusers-sp set on cache hooks removed: see :mod:`diffusers_sp.caches`)."""
+        With ``shard_weights=True`` the weights are gathered whole first (a collective over each FSDP
+        group: call it on every rank). Caches, offloading, quantization and LoRA the user added stay as
+        they are (with the attributes diffusers-sp set on cache hooks removed: see
+        :mod:`diffusers_sp.caches`)."""
+        if self.weights is not None:
+            weights, self.weights = self.weights, None
+            weights.undo()
         for installed in self._models:
             for module, name, wrapped in reversed(installed.chain_hooks):
                 unregister(module, name, wrapped)  # wherever Accelerate or a cache put it since

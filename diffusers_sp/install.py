@@ -25,10 +25,11 @@ from .processors import PROCESSORS, SplitKVAttnProcessor
 from .processors.capture import PARALLEL_CALL
 from .processors.vsa import TileOrderHook, VideoSparseAttnProcessor
 from .sharding import apply_plan, attach, retarget
+from .weights import shard_pipeline
 
 
 def install(handle: SequenceParallelHandle, target, plan: EnablePlan, *, opts: EnableOptions, kv_first,
-            parallel_vae: bool, replica_group: SPGroup) -> None:
+            parallel_vae: bool, replica_group: SPGroup, process_group=None) -> None:
     """The installing part of :func:`~diffusers_sp.enable_sequence_parallel`, after every check: hooks,
     processors, CFG parallelism, parallel VAE, RNG and latents, each recorded on ``handle`` as it goes
     (so that ``handle.disable()`` undoes a partial install).
@@ -36,6 +37,7 @@ def install(handle: SequenceParallelHandle, target, plan: EnablePlan, *, opts: E
     Args:
         kv_first: The family's K/V-first self-attention (``overlap_query_projection``) or ``None``.
         replica_group: Every rank working on the same sample (the SP group, or CFG x SP).
+        process_group: The caller's ``process_group`` (``shard_weights`` then shards over it).
     """
     from . import cfg_parallel as _cfg
 
@@ -58,6 +60,11 @@ def install(handle: SequenceParallelHandle, target, plan: EnablePlan, *, opts: E
         for pipe in _latent_preparers(target, models):
             _patch_prepare_latents(pipe, replica_group, handle)
         _patch_processor_methods(target, handle)
+    if opts.shard_weights:  # last: every hook of ours is in place, and disable() undoes it first
+        cfg_strategy = family.cfg_strategy if layout.cfg_degree == 2 else None
+        launch = handle.groups.world if handle.groups is not None else handle.group
+        handle.weights = shard_pipeline(target, models, layout, launch, cfg_strategy,
+                                        own_group=handle.group if process_group is not None else None)
     setattr(target, HANDLE_ATTR, handle)
 
 

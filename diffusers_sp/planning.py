@@ -21,6 +21,7 @@ from .pipelines import FAMILIES, resolve_target
 from .processors.vsa import load_gate_weights
 from .traits import PipelineTraits
 from .validation import resolve_mode, validate_vsa
+from .weights import check_shard_weights, check_shardable, components_to_shard
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class EnableOptions:
     vsa_tile_size: tuple = (4, 4, 4)
     vsa_sp_mode: str = "auto"
     vsa_gate_weights: object = None
+    shard_weights: bool = False
 
 
 @dataclass
@@ -138,6 +140,8 @@ def plan_enable(target, mode: str, *, process_group, cfg_parallel, sp_degree, ul
         from .vae import check_parallel_vae
 
         check_parallel_vae(target, models)
+    if opts.shard_weights:
+        check_shardable(traits.name, components_to_shard(target, models))
 
     # What every rank of the launch must agree on, checked over the whole launch (or the passed
     # process_group) before the replica/CFG/SP sub-groups are built: building them is itself a
@@ -150,7 +154,7 @@ def plan_enable(target, mode: str, *, process_group, cfg_parallel, sp_degree, ul
         "vsa": None if vsa is None else (vsa.sparsity, vsa.tile, vsa.sp_mode, opts.vsa_gate_weights is not None),
         "replicas": layout.num_replicas, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
         "ulysses_degree": ulysses,
-        "parallel_vae": bool(parallel_vae),
+        "parallel_vae": bool(parallel_vae), "shard_weights": opts.shard_weights,
         "hooks (caches, offloading, ...)": [caches.describe(model.modules()) for _, model in models],
         "vsa_gate_weights (read)": "ok" if gate_error is None else f"failed: {gate_error}"}
     return EnablePlan(family=family, models=models, traits=traits, layout=layout, resolved=resolved, ulysses=ulysses,
@@ -174,6 +178,7 @@ def check_options(opts: EnableOptions, parallel_vae) -> None:
             f"attention_kernel={opts.attention_kernel!r} is not one of {KERNELS}.")
     if opts.sp_transport not in TRANSPORTS:
         raise SequenceParallelConfigError(f"sp_transport={opts.sp_transport!r} is not one of {TRANSPORTS}.")
+    check_shard_weights(opts.shard_weights, "enable_sequence_parallel")
     if not isinstance(parallel_vae, bool):
         raise SequenceParallelConfigError(f"parallel_vae must be True or False, got {parallel_vae!r}.")
     if not isinstance(opts.overlap_query_projection, bool):

@@ -1,0 +1,76 @@
+"""Weight sharding (``shard_weights=True``, FSDP2) against replicated weights, CPU/gloo, world sizes 2, 3, 4.
+
+Every mode gives the replicated output (the all-gathered weights are the same numbers), on the first
+and a second call; each rank holds about 1/N of every transformer's and text encoder's parameters
+before and after a call (FSDP's shards are rows of each parameter, so small ones round up: at most
+SHARE_SLACK x 1/N); ``disable()`` gives back the original whole parameters and classes; bad values and
+refused combinations raise alike on every rank. One spawn per world size (tests/cases_weights.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from distributed import run_cases, values, within
+
+#: Bytes a rank may hold of each sharded module, as a multiple of 1/N of the whole: FSDP shards each
+#: parameter by rows and pads the last shard, which tiny models' small parameters feel.
+SHARE_SLACK = 1.15
+
+
+@functools.lru_cache(maxsize=None)
+def _run(P: int) -> dict:
+    return run_cases("cases_weights", P)
+
+
+@pytest.fixture(scope="module", params=(2, 3, 4), ids=lambda p: f"P{p}")
+def results(request):
+    return request.param, _run(request.param)
+
+
+#: (world size, case): every mode at 2, 3 and 4 ranks (Ulysses on the 3-head Flux up to 3); CFG
+#: parallelism (cfg 2 x sp 2) and hybrid (ulysses 2 x kv_gather 2) at 4.
+CASES = ([(P, case) for P in (2, 3, 4) for case in ("wan_ulysses", "wan_kv_gather", "wan_vsa", "flux_kv_gather")]
+         + [(2, "flux_ulysses"), (3, "flux_ulysses"), (4, "wan_cfg_parallel"), (4, "wan_hybrid")])
+
+
+@pytest.mark.parametrize("P,case", CASES, ids=[f"P{P}-{c}" for P, c in CASES])
+def test_sharded_weights_give_the_replicated_output(P, case):
+    res = _run(P)
+    for rank, v in enumerate(values(res, case)):
+        for key in ("cmp", "cmp2", "again"):
+            assert within(v[key]), f"P={P} rank {rank} {case} {key}: {v[key]}"
+        N = v["fsdp_group"]
+        assert N == (P // 2 if case == "wan_cfg_parallel" else P), v["fsdp_group"]
+        for name, total in v["full"].items():
+            for when in ("before", "after"):
+                held = v[when][name]
+                share = P if name.startswith("text_encoder") else N
+                assert held <= SHARE_SLACK * total / share, f"P={P} rank {rank} {case} {name} {when}: {held} of {total}"
+        assert v["restored"], f"P={P} rank {rank} {case}: disable() did not give back the original parameters"
+        assert not any(c.startswith("FSDP") for c in v["classes"].values()), v["classes"]
+
+
+def test_bad_value_refused_alike(results):
+    P, res = results
+    msgs = values(res, "bad_value")
+    assert len(set(msgs)) == 1 and "shard_weights must be True" in msgs[0] and "'yes'" in msgs[0], msgs
+
+
+def test_group_offloading_refused_alike(results):
+    P, res = results
+    msgs = values(res, "group_offloading_refused")
+    assert len(set(msgs)) == 1 and "group offloading" in msgs[0] and "shard_weights=False" in msgs[0], msgs
+
+
+def test_usable_after_refusals(results):
+    P, res = results
+    assert all(shape[0] == 1 for shape in values(res, "still_usable_after_refusal"))
+
+
+def test_no_case_raised(results):
+    P, res = results
+    for name, per_rank in res.items():
+        assert all(r[0] == "ok" for r in per_rank), f"P={P} {name}: {[r[1] for r in per_rank if r[0] != 'ok']}"
