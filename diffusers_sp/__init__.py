@@ -10,6 +10,7 @@ from . import import_noise as _import_noise
 _import_noise.install()
 
 from .api import SequenceParallelHandle, disable_sequence_parallel, enable_sequence_parallel
+from .sharded_load import load_pipeline_for_sharding  # noqa: E402
 from .processors import KVGatherAttnProcessor, UlyssesAttnProcessor, VideoSparseAttnProcessor
 from .traits import ModelTraits, PipelineTraits
 from .errors import SequenceParallelConfigError
@@ -21,6 +22,7 @@ __all__ = [
     "disable_sequence_parallel",
     "SequenceParallelHandle",
     "SequenceParallelConfigError",
+    "load_pipeline_for_sharding",
     "UlyssesAttnProcessor",
     "KVGatherAttnProcessor",
     "VideoSparseAttnProcessor",

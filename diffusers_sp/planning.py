@@ -21,6 +21,7 @@ from .pipelines import FAMILIES, resolve_target
 from .processors.vsa import load_gate_weights
 from .traits import PipelineTraits
 from .validation import resolve_mode, validate_vsa
+from .sharded_load import has_empty_parameters
 from .weights import check_shard_weights, check_shardable, components_to_shard
 
 
@@ -142,6 +143,10 @@ def plan_enable(target, mode: str, *, process_group, cfg_parallel, sp_degree, ul
         check_parallel_vae(target, models)
     if opts.shard_weights:
         check_shardable(traits.name, components_to_shard(target, models))
+    elif any(has_empty_parameters(m) for _, m in components_to_shard(target, models)):
+        raise SequenceParallelConfigError(
+            f"{traits.name} was loaded with empty weights for sharding (load_pipeline_for_sharding): enable it "
+            f"with shard_weights=True, which reads each rank's shards, or load it with from_pretrained.")
 
     # What every rank of the launch must agree on, checked over the whole launch (or the passed
     # process_group) before the replica/CFG/SP sub-groups are built: building them is itself a

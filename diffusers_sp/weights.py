@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .errors import SequenceParallelConfigError
 from .groups import SPGroup, register_teardown
+from .sharded_load import has_empty_parameters, materialize
 
 #: What ``shard_weights`` accepts.
 SHARD_WEIGHTS_VALUES = (False, True)
@@ -167,14 +168,14 @@ def _refusal(where: str, why: str, instead: str) -> SequenceParallelConfigError:
     return SequenceParallelConfigError(f"{where}: shard_weights=True cannot run: {why}. To run: {instead}.")
 
 
-def block_lists(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The units of ``module`` below its root: the elements (with parameters) of every
-    ``nn.ModuleList`` in it, outermost lists first, none inside another unit."""
+def block_lists(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The units of ``module`` below its root, ``(qualified name, module)``: the elements (with
+    parameters) of every ``nn.ModuleList`` in it, outermost lists first, none inside another unit."""
     units, taken = [], set()
     for name, sub in module.named_modules():
         if not isinstance(sub, torch.nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
             continue
-        elements = [m for m in sub if any(True for _ in m.parameters())]
+        elements = [(f"{name}.{i}", m) for i, m in enumerate(sub) if any(True for _ in m.parameters())]
         if elements:
             units.extend(elements)
             taken.add(name)
@@ -204,15 +205,22 @@ def shard_module(attribute: str, module: torch.nn.Module, group: SPGroup, pg) ->
     # FSDP moves each unit to the mesh's device as it shards it: a pipeline loaded on the CPU goes to the
     # GPUs one block at a time, never whole (NCCL groups run on CUDA, gloo on the CPU).
     mesh = DeviceMesh.from_group(pg, "cuda" if "nccl" in (group.backend or "") else "cpu")
+    # A module built by load_pipeline_for_sharding has empty (meta) parameters: each unit reads its own
+    # from the files just before it is sharded, so no rank holds more than one unit whole.
+    empty = has_empty_parameters(module)
     blocks, managed = block_lists(module), set()
-    for block in blocks:
+    for name, block in blocks:
+        if empty:
+            materialize(block, module, name)
         fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=_ignored(block, managed))
         managed.update(id(p) for p in block.parameters())
+    if empty:
+        materialize(module, module, "")
     fully_shard(module, mesh=mesh, reshard_after_forward=True, ignored_params=_ignored(module, managed))
-    for current, following in zip(blocks, blocks[1:]):
+    for (_, current), (_, following) in zip(blocks, blocks[1:]):
         current.set_modules_to_forward_prefetch([following])
     hook = module.register_forward_hook(_reshard_root)
-    return ShardedModule(attribute, module, [*blocks, module], group, hook)
+    return ShardedModule(attribute, module, [*(b for _, b in blocks), module], group, hook)
 
 
 def _reshard_root(module, args, output):

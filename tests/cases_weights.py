@@ -118,3 +118,52 @@ def case_still_usable_after_refusal():
         return tuple(_run(pipe, dict(WAN_CALL, num_inference_steps=1)).shape)
     finally:
         handle.disable()
+
+
+def _saved_pipeline(build) -> str:
+    """``build()`` saved with ``save_pretrained`` by rank 0 to a folder every rank then reads."""
+    import tempfile
+
+    box = [None]
+    if dist.get_rank() == 0:
+        box[0] = tempfile.mkdtemp(prefix="diffusers_sp_weights_")
+        build().save_pretrained(box[0])
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _loaded_for_sharding(pipeline_cls, build, call, **options) -> dict:
+    """A pipeline saved to disk, loaded with empty big weights (load_pipeline_for_sharding) and enabled
+    with shard_weights=True, against the same folder loaded whole by from_pretrained."""
+    from diffusers_sp import load_pipeline_for_sharding
+
+    folder = _saved_pipeline(build)
+    whole = pipeline_cls.from_pretrained(folder, dtype=torch.float32)
+    whole.set_progress_bar_config(disable=True)
+    handle = enable_sequence_parallel(whole, **options)
+    ref = _run(whole, call)
+    handle.disable()
+    empty = load_pipeline_for_sharding(pipeline_cls, folder, dtype=torch.float32)
+    empty.set_progress_bar_config(disable=True)
+    meta_before = sum(p.is_meta for m in _components(empty).values() for p in m.parameters())
+    refused = error_of(lambda: enable_sequence_parallel(empty, **options))
+    handle = enable_sequence_parallel(empty, shard_weights=True, **options)
+    try:
+        out = _run(empty, call)
+        held = handle.local_weight_bytes()
+    finally:
+        handle.disable()
+    full = {name: parameter_bytes(m) for name, m in _components(whole).items()}
+    return {"cmp": compare(ref, out), "meta_before": meta_before, "refused": refused, "held": held, "full": full}
+
+
+def case_wan_loaded_for_sharding():
+    from diffusers import WanPipeline
+
+    return _loaded_for_sharding(WanPipeline, lambda: tiny_wan_pipeline("t2v"), WAN_CALL, mode="kv_gather")
+
+
+def case_flux_loaded_for_sharding():
+    from diffusers import FluxPipeline
+
+    return _loaded_for_sharding(FluxPipeline, tiny_flux_pipeline, FLUX_CALL, mode="kv_gather")

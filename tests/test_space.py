@@ -38,10 +38,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(180)
-def test_space_returns_a_video(tmp_path):
+@pytest.mark.parametrize("shard", ["0", "1"], ids=["replicated", "shard_weights"])
+def test_space_returns_a_video(tmp_path, shard):
+    """The app on two CPU workers returns a video; with SPACE_SHARD_WEIGHTS=1 the workers hold their
+    weights sharded and say so."""
     port = _free_port()
     env = dict(os.environ, DIFFUSERS_SP_CACHE=str(tmp_path / "cache"), GRADIO_ANALYTICS_ENABLED="False",
-               DIFFUSERS_SP_TIMEOUT_S="120", PYTHONUNBUFFERED="1", SPACE_NUM_WORKERS="2")
+               DIFFUSERS_SP_TIMEOUT_S="120", PYTHONUNBUFFERED="1", SPACE_NUM_WORKERS="2", SPACE_SHARD_WEIGHTS=shard)
     env.pop("SPACE_MODEL", None)
     log = open(tmp_path / "app.log", "w+")
     proc = subprocess.Popen([sys.executable, str(ROOT / "examples/space/app.py"), "--port", str(port),
@@ -70,6 +73,7 @@ def test_space_returns_a_video(tmp_path):
         assert path and Path(path).exists() and Path(path).stat().st_size > 0, result
         assert Path(path).suffix == ".mp4"
         assert "2 cpu worker(s)" in timing, timing
+        assert ("weights sharded" in timing) == (shard == "1"), timing
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)  # the app stops its workers on SIGTERM

@@ -74,3 +74,16 @@ def test_no_case_raised(results):
     P, res = results
     for name, per_rank in res.items():
         assert all(r[0] == "ok" for r in per_rank), f"P={P} {name}: {[r[1] for r in per_rank if r[0] != 'ok']}"
+
+
+@pytest.mark.parametrize("case", ["wan_loaded_for_sharding", "flux_loaded_for_sharding"])
+def test_loaded_for_sharding_equals_from_pretrained(results, case):
+    """load_pipeline_for_sharding leaves the transformer and text encoders empty (meta) until
+    shard_weights=True reads each rank's shards: the output equals the pipeline loaded whole, and
+    enabling without shard_weights is refused alike on every rank."""
+    P, res = results
+    for rank, v in enumerate(values(res, case)):
+        assert within(v["cmp"]) and v["meta_before"] > 0, f"P={P} rank {rank} {case}: {v}"
+        assert "shard_weights=True" in v["refused"] and "load_pipeline_for_sharding" in v["refused"], v["refused"]
+        for name, total in v["full"].items():
+            assert v["held"][name] <= SHARE_SLACK * total / P, f"P={P} rank {rank} {case} {name}: {v}"
