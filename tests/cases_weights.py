@@ -97,6 +97,28 @@ def case_wan_hybrid():
     return _sharded_against_replicated(lambda: tiny_wan_pipeline("t2v"), WAN_CALL, mode="hybrid", ulysses_degree=2)
 
 
+def _with_first_block_cache():
+    from diffusers import FirstBlockCacheConfig
+
+    pipe = tiny_wan_pipeline("t2v")
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.12))
+    return pipe
+
+
+def case_wan_first_block_cache():
+    """Diffusers' First Block Cache (it skips the blocks after the first when their input barely
+    changed): every rank of the FSDP group skips the same steps, so the gathers stay paired."""
+    return _sharded_against_replicated(_with_first_block_cache, dict(WAN_CALL, num_inference_steps=4),
+                                       mode="kv_gather")
+
+
+def case_wan_replicas():
+    """World size 4: two replicas of sp 2, each holding its own shards of the whole model."""
+    if dist.get_world_size() != 4:
+        return None
+    return _sharded_against_replicated(lambda: tiny_wan_pipeline("t2v"), WAN_CALL, mode="kv_gather", sp_degree=2)
+
+
 def case_bad_value():
     """A value other than True / False, refused on every rank alike before any collective."""
     return error_of(lambda: enable_sequence_parallel(tiny_wan_pipeline("t2v"), shard_weights="yes"))

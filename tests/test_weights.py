@@ -30,10 +30,12 @@ def results(request):
     return request.param, _run(request.param)
 
 
-#: (world size, case): every mode at 2, 3 and 4 ranks (Ulysses on the 3-head Flux up to 3); CFG
-#: parallelism (cfg 2 x sp 2) and hybrid (ulysses 2 x kv_gather 2) at 4.
-CASES = ([(P, case) for P in (2, 3, 4) for case in ("wan_ulysses", "wan_kv_gather", "wan_vsa", "flux_kv_gather")]
-         + [(2, "flux_ulysses"), (3, "flux_ulysses"), (4, "wan_cfg_parallel"), (4, "wan_hybrid")])
+#: (world size, case): every mode at 2, 3 and 4 ranks (Ulysses on the 3-head Flux up to 3), and with
+#: First Block Cache; CFG parallelism (cfg 2 x sp 2), hybrid (ulysses 2 x kv_gather 2) and two
+#: replicas of sp 2 at 4.
+CASES = ([(P, case) for P in (2, 3, 4) for case in ("wan_ulysses", "wan_kv_gather", "wan_vsa", "flux_kv_gather",
+                                                    "wan_first_block_cache")]
+         + [(2, "flux_ulysses"), (3, "flux_ulysses"), (4, "wan_cfg_parallel"), (4, "wan_hybrid"), (4, "wan_replicas")])
 
 
 @pytest.mark.parametrize("P,case", CASES, ids=[f"P{P}-{c}" for P, c in CASES])
@@ -43,11 +45,11 @@ def test_sharded_weights_give_the_replicated_output(P, case):
         for key in ("cmp", "cmp2", "again"):
             assert within(v[key]), f"P={P} rank {rank} {case} {key}: {v[key]}"
         N = v["fsdp_group"]
-        assert N == (P // 2 if case == "wan_cfg_parallel" else P), v["fsdp_group"]
+        assert N == (P // 2 if case in ("wan_cfg_parallel", "wan_replicas") else P), v["fsdp_group"]
         for name, total in v["full"].items():
             for when in ("before", "after"):
                 held = v[when][name]
-                share = P if name.startswith("text_encoder") else N
+                share = (P if name.startswith("text_encoder") and case != "wan_replicas" else N)
                 assert held <= SHARE_SLACK * total / share, f"P={P} rank {rank} {case} {name} {when}: {held} of {total}"
         assert v["restored"], f"P={P} rank {rank} {case}: disable() did not give back the original parameters"
         assert not any(c.startswith("FSDP") for c in v["classes"].values()), v["classes"]
