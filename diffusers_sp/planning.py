@@ -137,16 +137,7 @@ def plan_enable(target, mode: str, *, process_group, cfg_parallel, sp_degree, ul
         ulysses = vsa.ulysses_degree
     if sp_mode == "hybrid":
         _check_hybrid(traits, opts, layout, process_group)
-    if parallel_vae:
-        from .vae import check_parallel_vae
-
-        check_parallel_vae(target, models)
-    if opts.shard_weights:
-        check_shardable(traits.name, components_to_shard(target, models))
-    elif any(has_empty_parameters(m) for _, m in components_to_shard(target, models)):
-        raise SequenceParallelConfigError(
-            f"{traits.name} was loaded with empty weights for sharding (load_pipeline_for_sharding): enable it "
-            f"with shard_weights=True, which reads each rank's shards, or load it with from_pretrained.")
+    _check_components(target, traits, models, opts, parallel_vae)
 
     # What every rank of the launch must agree on, checked over the whole launch (or the passed
     # process_group) before the replica/CFG/SP sub-groups are built: building them is itself a
@@ -164,6 +155,21 @@ def plan_enable(target, mode: str, *, process_group, cfg_parallel, sp_degree, ul
         "vsa_gate_weights (read)": "ok" if gate_error is None else f"failed: {gate_error}"}
     return EnablePlan(family=family, models=models, traits=traits, layout=layout, resolved=resolved, ulysses=ulysses,
                  vsa=vsa, sp_mode=sp_mode, gate_error=gate_error, agree=agree)
+
+def _check_components(target, traits, models, opts: EnableOptions, parallel_vae: bool) -> None:
+    """The refusals of the parallel VAE and of weight sharding (or of its absence for a pipeline loaded
+    with empty weights), before any collective."""
+    if parallel_vae:
+        from .vae import check_parallel_vae
+
+        check_parallel_vae(target, models)
+    if opts.shard_weights:
+        check_shardable(traits.name, components_to_shard(target, models))
+    elif any(has_empty_parameters(m) for _, m in components_to_shard(target, models)):
+        raise SequenceParallelConfigError(
+            f"{traits.name} was loaded with empty weights for sharding (load_pipeline_for_sharding): enable it "
+            f"with shard_weights=True, which reads each rank's shards, or load it with from_pretrained.")
+
 
 def _check_hybrid(traits, opts: EnableOptions, layout, process_group) -> None:
     """The refusals of a hybrid sequence-parallel mode (also under VSA), before any collective."""
