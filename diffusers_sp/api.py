@@ -112,8 +112,8 @@ def enable_sequence_parallel(target, mode: str = "auto", *, process_group=None, 
             root) over the ranks that make one output together, so each rank holds about ``1/N`` of
             those weights between forwards and gathers one or two blocks at a time (see
             :mod:`diffusers_sp.weights`; ``handle.local_weight_bytes()`` reports what a rank holds).
-            Outputs stay exact. ``disable()`` gives back ordinary, whole modules. Load LoRA weights
-            before enabling (or disable, load, and enable again).
+            Outputs stay exact. ``disable()`` gives back ordinary, whole modules. LoRA weights load
+            before or after enabling (their matrices stay whole on every rank).
 
     Returns:
         A :class:`SequenceParallelHandle` with ``mode``, ``sp_mode``, ``ulysses_degree``,

@@ -253,9 +253,13 @@ def _unshard_for_good(unit: torch.nn.Module) -> None:
         if handle is not None:
             handle.remove()
     # fully_shard's state and registry live in the module's __dict__ under keys of torch's composable
-    # API (torch.distributed._composable.contract).
+    # API (torch.distributed._composable.contract), and the module is a key of its module-to-state map
+    # (torch.distributed._composable_state), which refuses a second fully_shard of the same module.
     for key in [k for k in vars(unit) if k.startswith("__composable_api")]:
         del unit.__dict__[key]
+    from torch.distributed import _composable_state
+
+    _composable_state._module_state_mapping.pop(unit, None)
     unit.__class__ = next(c for c in type(unit).__mro__[1:] if not issubclass(c, FSDPModule))
 
 

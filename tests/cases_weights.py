@@ -119,6 +119,32 @@ def case_wan_replicas():
     return _sharded_against_replicated(lambda: tiny_wan_pipeline("t2v"), WAN_CALL, mode="kv_gather", sp_degree=2)
 
 
+def case_wan_lora():
+    """LoRA loaded before enabling, then (after disable(), unload and a second enable of the same
+    pipeline) loaded while the weights are sharded: both equal the replicated pipeline with the LoRA.
+    The LoRA's own matrices are new parameters that FSDP does not manage: whole on every rank."""
+    from cases_combine import _lora_state_dict
+
+    pipe = tiny_wan_pipeline("t2v")
+    pipe.set_progress_bar_config(disable=True)
+    lora = _lora_state_dict()
+    pipe.load_lora_weights(dict(lora), adapter_name="style")
+    handle = enable_sequence_parallel(pipe, mode="kv_gather")
+    ref = _run(pipe, WAN_CALL)
+    handle.disable()
+    handle = enable_sequence_parallel(pipe, mode="kv_gather", shard_weights=True)
+    before = _run(pipe, WAN_CALL)
+    handle.disable()
+    pipe.unload_lora_weights()
+    handle = enable_sequence_parallel(pipe, mode="kv_gather", shard_weights=True)  # the same modules again
+    try:
+        pipe.load_lora_weights(dict(lora), adapter_name="style")
+        after = _run(pipe, WAN_CALL)
+    finally:
+        handle.disable()
+    return {"before": compare(ref, before), "after": compare(ref, after)}
+
+
 def case_bad_value():
     """A value other than True / False, refused on every rank alike before any collective."""
     return error_of(lambda: enable_sequence_parallel(tiny_wan_pipeline("t2v"), shard_weights="yes"))

@@ -89,3 +89,11 @@ def test_loaded_for_sharding_equals_from_pretrained(results, case):
         assert "shard_weights=True" in v["refused"] and "load_pipeline_for_sharding" in v["refused"], v["refused"]
         for name, total in v["full"].items():
             assert v["held"][name] <= SHARE_SLACK * total / P, f"P={P} rank {rank} {case} {name}: {v}"
+
+
+def test_lora_before_and_after_enabling(results):
+    """LoRA with sharded weights, loaded before enabling and while enabled (the second enable of the
+    same pipeline works: disable() leaves no FSDP state behind), equals the replicated pipeline."""
+    P, res = results
+    for rank, v in enumerate(values(res, "wan_lora")):
+        assert within(v["before"]) and within(v["after"]), f"P={P} rank {rank}: {v}"
