@@ -104,8 +104,10 @@ def load_pipeline_for_sharding(pipeline_cls, path: str, *, dtype: torch.dtype = 
 
 
 def has_empty_parameters(module: torch.nn.Module) -> bool:
-    """Whether ``module`` has parameters on the meta device (built by :func:`load_pipeline_for_sharding`)."""
-    return any(p.is_meta for p in module.parameters())
+    """Whether ``module`` was built by :func:`load_pipeline_for_sharding` and still has parameters on
+    the meta device. (Meta parameters alone do not say so: Accelerate's sequential CPU offload keeps
+    its modules' parameters on the meta device between calls.)"""
+    return getattr(module, WEIGHT_FILES_ATTR, None) is not None and any(p.is_meta for p in module.parameters())
 
 
 def materialize(unit: torch.nn.Module, root: torch.nn.Module, prefix: str) -> None:
