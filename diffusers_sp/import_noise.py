@@ -1,5 +1,6 @@
 """Drops the warnings that importing Diffusers prints when torchao is installed on a torch it has no
-compiled extensions for (a CPU build of torch, or a Python its wheels were not built for).
+compiled extensions for (a CPU build of torch, or a Python its wheels were not built for), and
+Transformers' note about a missing torchvision.
 
 With torchao 0.18 (the ``test`` extra) and torch 2.13 on a CPU machine, ``import diffusers`` prints
 on every rank, before any code of this package runs:
@@ -12,10 +13,15 @@ on every rank, before any code of this package runs:
   ``diffusers.quantizers.torchao.torchao_quantizer``: Diffusers 0.42 looks for torchao classes that
   torchao 0.18 moved).
 
+And one without torchao: Transformers 5 says ``[transformers] `CLIPImageProcessor` requires
+torchvision (not installed); falling back to `CLIPImageProcessorPil` ...`` when Diffusers' Wan
+pipelines import the CLIP image processor (logger ``transformers.utils.import_utils``); the PIL
+fallback it takes is the processor those pipelines used before.
+
 None of them changes what runs: torchao's Python quantization works without those extensions, and
 diffusers-sp loads no torchao-serialized checkpoint. They look like errors to a user, so
 :func:`install` (called when ``diffusers_sp`` is imported, before it imports Diffusers) adds one
-filter to each of those three loggers that drops exactly these messages and nothing else. A script
+filter to each of those loggers that drops exactly these messages and nothing else. A script
 that imports Diffusers before ``diffusers_sp`` still sees them: that is the libraries' own output.
 """
 
@@ -28,6 +34,7 @@ NOISE: dict[str, tuple[str, ...]] = {
     "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
     "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
+    "transformers.utils.import_utils": ("requires torchvision (not installed); falling back to",),
 }
 
 

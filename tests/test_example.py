@@ -80,8 +80,9 @@ def _our_errors(*texts: str) -> list[str]:
 
 
 #: What importing Diffusers prints when torchao (in the ``test`` extra) has no compiled extensions for
-#: this torch; ``diffusers_sp.import_noise`` drops it (see :func:`test_main_job_prints_no_import_noise`).
-_IMPORT_NOISE = ("Failed to load ", "torchao", "_pytree.py", "is an Enum subclass")
+#: this torch, and Transformers' torchvision note; ``diffusers_sp.import_noise`` drops them (see
+#: :func:`test_main_job_prints_no_import_noise`).
+_IMPORT_NOISE = ("Failed to load ", "torchao", "_pytree.py", "is an Enum subclass", "requires torchvision")
 
 
 def test_generate_video_too_few_tokens_is_one_line(tmp_path):
