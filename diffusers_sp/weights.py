@@ -44,8 +44,6 @@ from .errors import SequenceParallelConfigError
 from .groups import SPGroup, register_teardown
 from .sharded_load import has_empty_parameters, materialize
 
-#: What ``shard_weights`` accepts.
-SHARD_WEIGHTS_VALUES = (False, True)
 #: Diffusers hooks that move or re-cast weights, which FSDP's sharded parameters cannot follow.
 _CONFLICTING_HOOKS = {
     "group_offloading": "Diffusers' group offloading moves the same weights between devices",
@@ -75,7 +73,7 @@ class ShardedModule:
 
 @dataclass
 class WeightSharding:
-    """What :func:`shard_weights` sharded, to report and to undo."""
+    """What :func:`shard_pipeline` sharded, to report and to undo."""
 
     modules: list[ShardedModule] = field(default_factory=list)
 
@@ -159,7 +157,7 @@ def check_shardable(name: str, components: list) -> None:
             if type(sub).__name__.startswith("FSDP"):
                 raise _refusal(where, "the module is sharded by FSDP already", "pass the module unsharded")
         for p in module.parameters():
-            if type(p) is not torch.nn.Parameter and type(p.data) is not torch.Tensor:
+            if type(p.data) is not torch.Tensor:  # a tensor subclass: torchao's quantized tensors, ...
                 raise _refusal(where, f"its weights are {type(p.data).__name__} tensors (quantized)",
                                "use shard_weights=False with quantized weights")
 

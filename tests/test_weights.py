@@ -97,3 +97,28 @@ def test_lora_before_and_after_enabling(results):
     P, res = results
     for rank, v in enumerate(values(res, "wan_lora")):
         assert within(v["before"]) and within(v["after"]), f"P={P} rank {rank}: {v}"
+
+
+@pytest.mark.parametrize("kind", ["torchao", "layerwise_casting"])
+def test_quantized_or_cast_weights_refused(kind):
+    """Weights FSDP2 cannot all-gather as they are (torchao's quantized tensors) or that a hook re-casts
+    around every forward (layerwise casting) are refused by the check every rank runs before any
+    collective, with what would work."""
+    import torch
+
+    from diffusers_sp import SequenceParallelConfigError
+    from diffusers_sp.tiny_models import tiny_wan_transformer
+    from diffusers_sp.weights import check_shardable
+
+    model = tiny_wan_transformer()
+    if kind == "torchao":
+        pytest.importorskip("torchao")
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(model, Int8WeightOnlyConfig())
+        expected = "quantized"
+    else:
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+        expected = "layerwise casting"
+    with pytest.raises(SequenceParallelConfigError, match=f"{expected}.*shard_weights=False"):
+        check_shardable("WanPipeline", [("transformer", model)])
