@@ -10,12 +10,12 @@ reason. The table of ``docs/pipelines.md`` is :func:`markdown_table` and the REA
 
     python -m diffusers_sp.coverage            # prints the table
     python -m diffusers_sp.coverage --write    # rewrites docs/pipelines.md and the README's totals
+    python -m diffusers_sp.coverage --json     # every pipeline and its status, as JSON
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -189,13 +189,36 @@ def write_docs(root: Path) -> None:
     _rewrite(root / "README.md", TOTALS_BEGIN, TOTALS_END, totals_line(rows))
 
 
-if __name__ == "__main__":  # pragma: no cover - a maintenance command
+def as_json(rows: list[PipelineCoverage] | None = None) -> str:
+    """Every pipeline's status as JSON: a list of ``{"pipeline", "transformers": [[component, class],
+    ...], "family", "modes", "runs", "reason"}``, in the order of :func:`coverage`."""
+    import json
+
+    rows = coverage() if rows is None else rows
+    return json.dumps([dict(pipeline=r.pipeline, transformers=[list(t) for t in r.transformers], family=r.family,
+                            modes=list(r.modes), runs=r.runs, reason=r.reason) for r in rows], indent=1)
+
+
+def main(argv=None) -> None:
+    """``python -m diffusers_sp.coverage [--write | --json]``: print the table (default), rewrite
+    docs/pipelines.md and the README's totals, or print every pipeline's status as JSON."""
+    import argparse
+
     import transformers
 
+    parser = argparse.ArgumentParser(prog="python -m diffusers_sp.coverage", description=main.__doc__.split(":")[0])
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--write", action="store_true", help="rewrite docs/pipelines.md and the README's totals")
+    what.add_argument("--json", action="store_true", help="print every pipeline's status as JSON")
+    args = parser.parse_args(argv)
     # Importing every pipeline module makes Transformers warn about image processors without
     # torchvision; the table does not use them.
     transformers.utils.logging.set_verbosity_error()
-    if "--write" in sys.argv[1:]:
+    if args.write:
         write_docs(Path(__file__).resolve().parents[1])
     else:
-        print(markdown_table())
+        print(as_json() if args.json else markdown_table())
+
+
+if __name__ == "__main__":  # pragma: no cover - a maintenance command
+    main()

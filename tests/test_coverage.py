@@ -46,3 +46,13 @@ def test_pipelines_doc_and_readme_totals_are_the_registry(rows):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     totals = coverage.marked_section(readme, coverage.TOTALS_BEGIN, coverage.TOTALS_END)
     assert totals == coverage.totals_line(rows), "run `python -m diffusers_sp.coverage --write`"
+
+
+def test_json_lists_every_pipeline_with_its_status(rows):
+    """``python -m diffusers_sp.coverage --json``: one entry per pipeline class, runs and reason agreeing."""
+    import json
+
+    data = json.loads(coverage.as_json(rows))
+    assert [d["pipeline"] for d in data] == [r.pipeline for r in rows]
+    assert all(d["runs"] == (not d["reason"]) and (d["modes"] != []) == d["runs"] for d in data)
+    assert sum(d["runs"] for d in data) == sum(r.runs for r in rows)
