@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from diffusers_sp import enable_sequence_parallel
-from diffusers_sp.tiny_models import tiny_flux_pipeline, tiny_wan_pipeline
+from diffusers_sp.tiny_models import tiny_flux_pipeline, tiny_wan_pipeline, tiny_wan_transformer
 from diffusers_sp.weights import parameter_bytes
 
 from distributed import compare, error_of
@@ -143,6 +143,42 @@ def case_wan_lora():
     finally:
         handle.disable()
     return {"before": compare(ref, before), "after": compare(ref, after)}
+
+
+def case_wan_process_group():
+    """A process_group of the caller's: it serves FSDP's all-gathers too."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    return _sharded_against_replicated(lambda: tiny_wan_pipeline("t2v"), WAN_CALL, mode="kv_gather",
+                                       process_group=group)
+
+
+def case_wan22_two_transformers():
+    """Wan 2.2: transformer and transformer_2 (switched at the boundary step), both sharded."""
+    return _sharded_against_replicated(lambda: tiny_wan_pipeline("t2v_moe"), WAN_CALL, mode="kv_gather")
+
+
+def case_wan_parallel_vae():
+    """With the parallel VAE decode (the VAE itself is not sharded): the decoded video."""
+    return _sharded_against_replicated(lambda: tiny_wan_pipeline("t2v"), dict(WAN_CALL, output_type="pt"),
+                                       mode="kv_gather", parallel_vae=True)
+
+
+def case_bare_transformer():
+    """A transformer passed alone (no pipeline): its blocks and root sharded, reported under ``""``."""
+    model = tiny_wan_transformer()
+    g = torch.Generator().manual_seed(1)
+    kwargs = dict(hidden_states=torch.randn(1, 16, 3, 10, 14, generator=g), timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g))
+    full = parameter_bytes(model)
+    with torch.no_grad():
+        ref = model(**kwargs).sample
+        handle = enable_sequence_parallel(model, shard_weights=True)
+        try:
+            out, held = model(**kwargs).sample, handle.local_weight_bytes()
+        finally:
+            handle.disable()
+        again = model(**kwargs).sample
+    return {"cmp": compare(ref, out), "again": compare(ref, again), "held": held, "full": full}
 
 
 def case_bad_value():

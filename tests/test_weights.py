@@ -31,10 +31,11 @@ def results(request):
 
 
 #: (world size, case): every mode at 2, 3 and 4 ranks (Ulysses on the 3-head Flux up to 3), and with
-#: First Block Cache; CFG parallelism (cfg 2 x sp 2), hybrid (ulysses 2 x kv_gather 2) and two
+#: First Block Cache, a caller's process_group, Wan 2.2's two transformers and the parallel VAE; CFG parallelism (cfg 2 x sp 2), hybrid (ulysses 2 x kv_gather 2) and two
 #: replicas of sp 2 at 4.
 CASES = ([(P, case) for P in (2, 3, 4) for case in ("wan_ulysses", "wan_kv_gather", "wan_vsa", "flux_kv_gather",
-                                                    "wan_first_block_cache")]
+                                                    "wan_first_block_cache", "wan_process_group",
+                                                    "wan22_two_transformers", "wan_parallel_vae")]
          + [(2, "flux_ulysses"), (3, "flux_ulysses"), (4, "wan_cfg_parallel"), (4, "wan_hybrid"), (4, "wan_replicas")])
 
 
@@ -122,3 +123,10 @@ def test_quantized_or_cast_weights_refused(kind):
         expected = "layerwise casting"
     with pytest.raises(SequenceParallelConfigError, match=f"{expected}.*shard_weights=False"):
         check_shardable("WanPipeline", [("transformer", model)])
+
+
+def test_bare_transformer(results):
+    P, res = results
+    for rank, v in enumerate(values(res, "bare_transformer")):
+        assert within(v["cmp"]) and within(v["again"]), f"P={P} rank {rank}: {v}"
+        assert v["held"][""] <= SHARE_SLACK * v["full"] / P, v
