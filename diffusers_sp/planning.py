@@ -17,7 +17,7 @@ from .errors import SequenceParallelConfigError
 from .groups import SPGroup, world_size_for
 from .handle import HANDLE_ATTR
 from .kernels.sdpa import KERNELS
-from .pipelines import FAMILIES, resolve_target
+from .pipelines import FAMILIES, is_modular, resolve_target
 from .processors.vsa import load_gate_weights
 from .traits import PipelineTraits
 from .validation import resolve_mode, validate_vsa
@@ -205,12 +205,11 @@ def _resolve_layout(target, traits, family, process_group, cfg_parallel, sp_degr
     a pipeline with perturbed-attention guidance keeps CFG parallelism off (see :func:`_perturbed_guidance`)."""
     from .replicas import resolve_layout
 
-    pag = _perturbed_guidance(target)
+    pag = _perturbed_guidance(target) or _modular_guidance(target)
     if pag and cfg_parallel is True:
         raise SequenceParallelConfigError(
-            f"{traits.name}: cfg_parallel=True cannot split this pipeline's guidance: {pag}, while CFG "
-            f"parallelism gives each CFG group one half of the batch. Use cfg_parallel=False (sequence "
-            f"parallelism runs perturbed-attention guidance exactly).")
+            f"{traits.name}: cfg_parallel=True cannot split this pipeline's guidance: {pag}. Use "
+            f"cfg_parallel=False (sequence parallelism runs this guidance exactly).")
     layout = resolve_layout(traits.name, world_size_for(process_group), cfg_parallel=cfg_parallel,
                             sp_degree=sp_degree, family=family.name,
                             cfg_capable=family.cfg_strategy is not None and not pag,
@@ -277,6 +276,17 @@ def _gate_paths(spec, traits: PipelineTraits) -> list:
             f"{traits.name} has {len(traits.models)} transformers; pass vsa_gate_weights as a dict "
             f"{{attribute: path}} for {[m.attribute for m in traits.models]}.")
     return [path(spec)]
+
+def _modular_guidance(target) -> str:
+    """Why CFG parallelism cannot split a modular pipeline's guidance (``""`` for any other target):
+    CFG parallelism pairs a step's two transformer calls by the names a classic pipeline gives them
+    through ``cache_context("cond")`` / ``("uncond")``, and Diffusers' modular denoise blocks (0.42)
+    make their guider's calls without them."""
+    if not is_modular(target):
+        return ""
+    return ("a modular pipeline's guider makes the conditional and unconditional transformer calls without "
+            "the cache_context names by which CFG parallelism pairs them")
+
 
 def _perturbed_guidance(target) -> str:
     """Why CFG parallelism cannot split ``target``'s batch (``""`` when it can): a Diffusers pipeline with

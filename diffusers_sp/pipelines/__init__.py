@@ -17,7 +17,8 @@ import torch
 from ..errors import SequenceParallelConfigError
 from .spec import CONTROLNET_RESIDUALS, FamilySpec, _head_dim, _heads, plan_without
 
-__all__ = ["CONTROLNET_RESIDUALS", "FAMILIES", "FamilySpec", "family_for_model", "plan_without", "resolve_target",
+__all__ = ["CONTROLNET_RESIDUALS", "FAMILIES", "FamilySpec", "family_for_model", "is_modular", "is_pipeline",
+           "plan_without", "resolve_target",
            "supported_models", "transformers_of", "_head_dim", "_heads"]
 
 
@@ -91,9 +92,32 @@ def transformers_of(pipeline) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
+def is_pipeline(target) -> bool:
+    """Whether ``target`` is a Diffusers pipeline: a classic ``DiffusionPipeline`` or a
+    ``ModularPipeline`` (whose components a pipeline's blocks use; ``transformers_of`` reads both from
+    the pipeline's config)."""
+    from diffusers import DiffusionPipeline
+
+    try:
+        from diffusers.modular_pipelines import ModularPipeline
+    except ImportError:  # a Diffusers without modular pipelines
+        ModularPipeline = ()
+    return isinstance(target, (DiffusionPipeline, ModularPipeline))
+
+
+def is_modular(target) -> bool:
+    """Whether ``target`` is a Diffusers ``ModularPipeline``."""
+    try:
+        from diffusers.modular_pipelines import ModularPipeline
+    except ImportError:
+        return False
+    return isinstance(target, ModularPipeline)
+
+
 def resolve_target(target) -> tuple[FamilySpec, list[tuple[str, torch.nn.Module]]]:
     """The family and the ``(attribute, model)`` pairs to parallelize for ``target``, a Diffusers
-    pipeline (every transformer it holds) or a transformer model (``attribute`` ``""``).
+    pipeline, classic or modular (every transformer it holds), or a transformer model (``attribute``
+    ``""``).
 
     Raises:
         SequenceParallelConfigError: ``target`` holds no transformer, a transformer of a class no
@@ -102,11 +126,12 @@ def resolve_target(target) -> tuple[FamilySpec, list[tuple[str, torch.nn.Module]
     name = type(target).__name__
     if family_for_model(target) is not None:
         return family_for_model(target), [("", target)]
-    from diffusers import DiffusionPipeline, ModelMixin
+    from diffusers import ModelMixin
 
-    models = transformers_of(target) if isinstance(target, DiffusionPipeline) else []
+    pipeline = is_pipeline(target)
+    models = transformers_of(target) if pipeline else []
     if not models:
-        what = ("a Diffusers pipeline without a transformer" if isinstance(target, DiffusionPipeline) else
+        what = ("a Diffusers pipeline without a transformer" if pipeline else
                 "a model that is not a transformer diffusers-sp parallelizes" if isinstance(target, ModelMixin) else
                 "not a Diffusers pipeline or model")
         raise SequenceParallelConfigError(
@@ -120,7 +145,7 @@ def resolve_target(target) -> tuple[FamilySpec, list[tuple[str, torch.nn.Module]
             raise SequenceParallelConfigError(
                 f"{name}.{attribute} is a {type(model).__name__}, which diffusers-sp does not parallelize yet. "
                 f"Transformers it runs: {', '.join(supported_models())}, and any transformer with a Diffusers "
-                f"_cp_plan; see the coverage table in the README.")
+                f"_cp_plan; see docs/pipelines.md.")
         families.append(spec)
     if len({f.name for f in families}) > 1:
         raise SequenceParallelConfigError(
