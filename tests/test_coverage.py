@@ -49,10 +49,29 @@ def test_pipelines_doc_and_readme_totals_are_the_registry(rows):
 
 
 def test_json_lists_every_pipeline_with_its_status(rows):
-    """``python -m diffusers_sp.coverage --json``: one entry per pipeline class, runs and reason agreeing."""
+    """``python -m diffusers_sp.coverage --json``: one entry per pipeline class (classic, then modular),
+    runs and reason agreeing."""
     import json
 
     data = json.loads(coverage.as_json(rows))
-    assert [d["pipeline"] for d in data] == [r.pipeline for r in rows]
+    modular = coverage.modular_coverage()
+    assert [d["pipeline"] for d in data] == [r.pipeline for r in rows] + [r.pipeline for r in modular]
+    assert [d["modular"] for d in data] == [False] * len(rows) + [True] * len(modular)
     assert all(d["runs"] == (not d["reason"]) and (d["modes"] != []) == d["runs"] for d in data)
-    assert sum(d["runs"] for d in data) == sum(r.runs for r in rows)
+    assert sum(d["runs"] for d in data) == sum(r.runs for r in rows) + sum(r.runs for r in modular)
+
+
+def test_modular_pipelines_listed_and_the_tested_one_compared():
+    """The modular pipelines are in the coverage (each accepted one with its family's modes); those
+    marked tested are the ones tests/test_modular.py compares with one process."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import cases_modular
+
+    modular = {r.pipeline: r for r in coverage.modular_coverage()}
+    assert "WanModularPipeline" in modular and modular["WanModularPipeline"].runs
+    assert {name for name, r in modular.items() if r.tested} == set(coverage.MODULAR_TESTED)
+    assert type(cases_modular._modular()).__name__ in coverage.MODULAR_TESTED
+    assert all(r.modes and r.family for r in modular.values() if r.runs)
+    assert all(not r.modes and r.reason for r in modular.values() if not r.runs)
