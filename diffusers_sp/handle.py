@@ -145,12 +145,17 @@ class SequenceParallelHandle:
         models = [(mt.attribute, m.model) for mt, m in zip(self.traits.models, self._models)]
         return {name: parameter_bytes(module) for name, module in components_to_shard(self.target, models)}
 
-    def kernel_choice(self):
+    def kernel_choice(self, compiled: bool = False):
         """The local kernel that runs unmasked self-attention of the (first) transformer as it is now.
 
         Resolves :attr:`requested_kernel` for the model's current device and dtype and its head dim (see
         :func:`diffusers_sp.kernels.sdpa.choose_kernel`). Masked calls may differ: a boolean key padding
         mask keeps FlashAttention-4 (through its varlen entry), other masks run on SDPA.
+
+        Args:
+            compiled: Report what runs inside a ``torch.compile``d region (inference): FlashAttention-4
+                stays (as the custom operators of :mod:`diffusers_sp.kernels.fa4`), FlashAttention-3/-2
+                give way to SDPA.
 
         Returns:
             A :class:`~diffusers_sp.kernels.sdpa.KernelChoice` (``name`` and the ``reason`` for a fallback).
@@ -161,7 +166,7 @@ class SequenceParallelHandle:
         param = next(model.parameters(), None) if model is not None else None
         device = param.device if param is not None else torch.device("cpu")
         dtype = param.dtype if param is not None else torch.float32
-        return kernel_on(self.requested_kernel, device, dtype, self.traits.models[0].head_dim)
+        return kernel_on(self.requested_kernel, device, dtype, self.traits.models[0].head_dim, compiling=compiled)
 
     @property
     def attention_kernel(self) -> str:

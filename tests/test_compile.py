@@ -4,6 +4,12 @@
   and K/V-gather, at world size 1 (in this process) and 2 (gloo, functional collectives in the graph).
 * ``torch.compile(model)`` gives the eager output.
 
+* With CPU stand-ins for FlashAttention-4 and the Triton VSA kernel (tests/kernel_stand_ins.py), every
+  mode (Ulysses, K/V-gather, hybrid, VSA) compiles the transformer blocks with ``fullgraph=True``
+  (Diffusers' regional compilation) and the kernels run inside the compiled graphs as the custom
+  operators ``diffusers_sp::fa4_attention``, ``fa4_key_padding_attention`` (ragged text) and
+  ``vsa_fine_stage_triton``; the compiled output equals the eager one.
+
 Dynamo traces from the first call after ``enable_sequence_parallel`` (no eager call first), as a user's
 ``torch.compile(pipe.transformer)`` right after enabling does: state cached on a first eager call must
 not hide a break. On failure the message lists each break with the user frames that caused it; set
@@ -19,6 +25,7 @@ import torch
 
 from diffusers_sp import enable_sequence_parallel
 from diffusers_sp.tiny_models import tiny_wan_transformer
+from kernel_stand_ins import FA4_DENSE_OP, FA4_VARLEN_OP, VSA_TRITON_OP, recording_backend, stand_in_kernels
 
 MODES = ("ulysses", "kv_gather")
 TOL = 1e-5  # float32, relative to the output's scale (DESIGN.md, Testing)
@@ -99,6 +106,94 @@ def test_compiled_equals_eager(mode):
     assert diff <= TOL * max(scale, 1.0), (mode, diff, scale)
 
 
+# ---------------------------------------------------------------- the kernels inside compiled blocks
+
+# mode -> the options it is enabled with, and the custom operator its self-attention runs as.
+KERNEL_MODES = {"ulysses": ({}, FA4_DENSE_OP), "kv_gather": ({}, FA4_DENSE_OP),
+                "hybrid": ({"ulysses_degree": 1}, FA4_DENSE_OP),
+                "vsa": ({"vsa_sparsity": 0.5}, VSA_TRITON_OP)}
+
+
+def _ragged_hunyuan():
+    import families
+
+    return families.forward_cases()["hunyuan_video_ragged_prompts"]()
+
+
+def compiled_blocks(mode: str, make=None) -> dict:
+    """Eager, then ``compile_repeated_blocks(fullgraph=True)``, with the kernels stood in for: the
+    difference, the stand-ins' calls in each run, the operators in the compiled graphs, the handle's
+    report. A graph break raises (fullgraph) and is returned as ``error``."""
+    from collections import Counter
+
+    options, _ = KERNEL_MODES[mode]
+    with stand_in_kernels() as calls:
+        if make is None:
+            model, inputs = _model(), _inputs()
+        else:
+            model, kwargs = make()
+            inputs = dict(kwargs, return_dict=False)
+        handle = enable_sequence_parallel(model, mode=mode, **options)
+        out = {"kernel": handle.kernel_choice().name, "compiled_kernel": handle.kernel_choice(compiled=True).name}
+        try:
+            with torch.no_grad():
+                eager = model(**inputs)[0]
+                out["eager_calls"] = dict(calls)
+                calls.clear()
+                targets = Counter()
+                model.compile_repeated_blocks(fullgraph=True, backend=recording_backend(targets))
+                try:
+                    compiled = model(**inputs)[0]
+                except Exception as exc:  # noqa: BLE001 - reported by the test
+                    return dict(out, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+        finally:
+            handle.disable()
+        out.update(diff=float((compiled - eager).abs().max()), scale=float(eager.abs().max()),
+                   compiled_calls=dict(calls), ops={t: n for t, n in targets.items() if t.startswith("diffusers_sp.")})
+    return out
+
+
+def kernel_problems(label: str, mode: str, r: dict, op: str | None = None) -> list[str]:
+    """What is wrong with one :func:`compiled_blocks` result (empty when nothing is)."""
+    op = op or KERNEL_MODES[mode][1]
+    if "error" in r:
+        return [f"{label}: compiling the blocks with fullgraph=True failed: {r['error']}"]
+    problems = []
+    if r["diff"] > TOL * max(r["scale"], 1.0):
+        problems.append(f"{label}: compiled differs from eager by {r['diff']} (scale {r['scale']})")
+    if not r["ops"].get(op):
+        problems.append(f"{label}: {op} is not in the compiled graphs (custom operators there: {r['ops']})")
+    stand_in = {FA4_DENSE_OP: "fa4_dense", FA4_VARLEN_OP: "fa4_varlen", VSA_TRITON_OP: "vsa_triton"}[op]
+    if not r["compiled_calls"].get(stand_in) or r["compiled_calls"].get(stand_in) != r["eager_calls"].get(stand_in):
+        problems.append(f"{label}: the kernel ran {r['compiled_calls']} compiled, {r['eager_calls']} eager")
+    if op != VSA_TRITON_OP and (r["kernel"], r["compiled_kernel"]) != ("flash_attn_4", "flash_attn_4"):
+        problems.append(f"{label}: the handle reports {r['kernel']} eager and {r['compiled_kernel']} compiled")
+    return problems
+
+
+@pytest.mark.parametrize("mode", list(KERNEL_MODES))
+def test_kernels_run_inside_compiled_blocks(mode):
+    r = compiled_blocks(mode)
+    assert not kernel_problems(mode, mode, r), kernel_problems(mode, mode, r)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "kv_gather"])
+def test_key_padding_mask_runs_fa4_varlen_inside_compiled_blocks(mode):
+    r = compiled_blocks(mode, make=_ragged_hunyuan)
+    problems = kernel_problems(f"{mode} ragged text", mode, r, op=FA4_VARLEN_OP)
+    assert not problems, problems
+
+
+def test_without_the_kernels_the_handle_reports_sdpa_compiled_too():
+    # No stand-ins: on CPU the choice is SDPA, eager and compiled alike.
+    model = _model()
+    handle = enable_sequence_parallel(model, mode="ulysses")
+    try:
+        assert handle.kernel_choice().name == handle.kernel_choice(compiled=True).name == "sdpa"
+    finally:
+        handle.disable()
+
+
 # ---------------------------------------------------------------- world size 2 (gloo), via tests/distributed.py
 
 
@@ -127,11 +222,23 @@ def case_explain_distributed():
     return out
 
 
+def case_kernels_in_compiled_blocks():
+    """Runs on every rank: :func:`compiled_blocks` for every mode, and the ragged-text model under K/V-gather."""
+    out = {mode: compiled_blocks(mode) for mode in KERNEL_MODES}
+    out["kv_gather ragged text"] = compiled_blocks("kv_gather", make=_ragged_hunyuan)
+    return out
+
+
 def test_distributed_compile(stock_report):
     from distributed import run_cases, values
 
-    res = run_cases("test_compile", 2, cases=["explain_distributed"], timeout=600)
+    res = run_cases("test_compile", 2, cases=["explain_distributed", "kernels_in_compiled_blocks"], timeout=600)
     problems = []
+    for rank, v in enumerate(values(res, "kernels_in_compiled_blocks")):
+        for mode in KERNEL_MODES:
+            problems += kernel_problems(f"rank {rank} {mode}", mode, v[mode])
+        problems += kernel_problems(f"rank {rank} kv_gather ragged text", "kv_gather", v["kv_gather ragged text"],
+                                    op=FA4_VARLEN_OP)
     for rank, v in enumerate(values(res, "explain_distributed")):
         for mode in MODES:
             r = v[mode]

@@ -14,9 +14,10 @@ B200 = (10, 0)
 
 
 def _choose(requested="auto", device_type="cuda", capability=H200, dtype=BF16, head_dim=128, mask=None,
-            fa4_installed=True, legacy_flash=None, compiling=False):
+            fa4_installed=True, legacy_flash=None, compiling=False, needs_grad=False):
     return choose_kernel(requested, device_type=device_type, capability=capability, dtype=dtype, head_dim=head_dim,
-                         mask=mask, fa4_installed=fa4_installed, legacy_flash=legacy_flash, compiling=compiling)
+                         mask=mask, fa4_installed=fa4_installed, legacy_flash=legacy_flash, compiling=compiling,
+                         needs_grad=needs_grad)
 
 
 @pytest.mark.parametrize("kwargs,name", [
@@ -42,7 +43,10 @@ def _choose(requested="auto", device_type="cuda", capability=H200, dtype=BF16, h
     ({"fa4_installed": False, "legacy_flash": "flash_attn_2", "requested": "flash_attn"}, "flash_attn_2"),
     ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "mask": "key_padding"}, "sdpa"),
     ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "dtype": F32}, "sdpa"),
-    ({"compiling": True}, "sdpa"),                          # CuTe DSL kernels do not trace
+    ({"compiling": True}, "flash_attn_4"),                  # as a custom operator inside the graph
+    ({"compiling": True, "mask": "key_padding"}, "flash_attn_4"),
+    ({"compiling": True, "needs_grad": True}, "sdpa"),      # the operators are forward-only
+    ({"needs_grad": True}, "flash_attn_4"),                 # eager FA4 has its backward
     ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "capability": B200}, "sdpa"),  # FA3: sm90 only
     ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "capability": (8, 6)}, "sdpa"),
     ({"fa4_installed": False, "legacy_flash": "flash_attn_3", "capability": (12, 0), "requested": "flash_attn"}, "sdpa"),
@@ -62,7 +66,7 @@ def test_kernel_choice(kwargs, name):
     ({"head_dim": 76}, "multiple of 8"),
     ({"capability": B200, "head_dim": 192}, "outside"),
     ({"mask": "other"}, "key padding"),
-    ({"compiling": True}, "torch.compile"),
+    ({"compiling": True, "needs_grad": True}, "forward-only"),
 ])
 def test_fallback_says_why(kwargs, words):
     choice = _choose(requested="flash_attn", **kwargs)
@@ -222,3 +226,37 @@ def test_fa4_runs_both_dense_modes_at_world_size_1_cuda(mode, monkeypatch):
             handle.disable()
     assert len(calls) >= 2  # one self-attention per block at least
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
+
+
+@needs_fa4
+@pytest.mark.parametrize("mode", ["ulysses", "kv_gather", "hybrid"])
+def test_fa4_inside_compiled_blocks_cuda(mode, monkeypatch):
+    """Regional compilation with ``fullgraph=True`` (inductor) keeps FA4: its custom operator runs every
+    self-attention of the compiled blocks, and the output is the eager FA4 output to bf16 precision."""
+    from diffusers_sp import enable_sequence_parallel
+    from diffusers_sp.tiny_models import tiny_wan_transformer
+
+    dev = torch.device("cuda")
+    model = tiny_wan_transformer(num_attention_heads=12, attention_head_dim=128, num_layers=2, ffn_dim=512,
+                                 text_dim=64, freq_dim=64).to(dev, BF16)
+    g = torch.Generator().manual_seed(4)
+    kwargs = dict(hidden_states=torch.randn(1, 16, 5, 30, 42, generator=g).to(dev, BF16),
+                  timestep=torch.tensor([700.0], device=dev),
+                  encoder_hidden_states=torch.randn(1, 32, 64, generator=g).to(dev, BF16))
+    calls = []
+    real = fa4._dense
+    monkeypatch.setattr(fa4, "_dense", lambda *a: calls.append(1) or real(*a))
+    torch._dynamo.reset()
+    handle = enable_sequence_parallel(model, mode=mode, **({"ulysses_degree": 1} if mode == "hybrid" else {}))
+    try:
+        assert handle.kernel_choice(compiled=True).name == "flash_attn_4"
+        with torch.no_grad():
+            eager = model(**kwargs).sample
+            eager_calls, calls[:] = len(calls), []
+            model.compile_repeated_blocks(fullgraph=True)
+            compiled = model(**kwargs).sample
+    finally:
+        handle.disable()
+        torch._dynamo.reset()
+    assert eager_calls >= 2 and len(calls) == eager_calls
+    assert ((compiled.float() - eager.float()).norm() / eager.float().norm()).item() < 2e-2

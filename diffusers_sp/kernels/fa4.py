@@ -14,6 +14,13 @@ entries the project uses:
   whose padded slots a ``mask_mod`` removes, so the result is exact.
 
 Whether FA4 applies is decided by :func:`fa4_unsupported_reason` (pure, testable without a GPU).
+
+Inside ``torch.compile`` the three entries run as PyTorch custom operators (``torch.library.custom_op``,
+namespace ``diffusers_sp``): the CuTe DSL kernels compile themselves at their first call and cannot be
+traced, so each entry is one opaque node of the graph, with a fake implementation that gives the
+output's shape, dtype and strides (Diffusers wraps its FlashAttention-3 hub kernel the same way). Eager
+calls skip the operator's dispatch and call FA4 directly. The operators are forward-only: a compiled
+region that needs gradients runs SDPA instead (see :func:`diffusers_sp.kernels.sdpa.choose_kernel`).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ def fa4_functions():
     return flash_attn_func, flash_attn_varlen_func
 
 
+@torch.compiler.assume_constant_result  # a constant while torch.compile traces (the import does not trace)
 def fa4_installed() -> bool:
     """Whether ``flash_attn.cute`` imports here."""
     return fa4_functions() is not None
@@ -54,6 +62,9 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+# torch.compile evaluates this once while tracing and keeps the answer as a constant (the CUDA query
+# itself does not trace).
+@torch.compiler.assume_constant_result
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """``(major, minor)`` of a CUDA device, None for any other device."""
     if device.type != "cuda":
@@ -120,7 +131,8 @@ def key_padding_rows(attn_mask: torch.Tensor | None, batch: int, num_keys: int) 
 
 
 def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """Dense (unmasked, non-causal) attention with FA4's ``flash_attn_func``.
+    """Dense (unmasked, non-causal) attention with FA4's ``flash_attn_func`` (under ``torch.compile``:
+    the custom operator ``torch.ops.diffusers_sp.fa4_attention``).
 
     Args:
         q: ``[B, H, Sq, D]`` bfloat16/float16 on a CUDA device FA4 supports (see :func:`fa4_unsupported_reason`).
@@ -133,10 +145,8 @@ def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     Raises:
         RuntimeError: FA4 is not installed; FA4's own errors for inputs it cannot run.
     """
-    func = _require()[0]
-    out = func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
-    out = out[0] if isinstance(out, tuple) else out
-    return out.transpose(1, 2)
+    dense = torch.ops.diffusers_sp.fa4_attention if torch.compiler.is_compiling() else _dense
+    return dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
 
 
 def fa4_key_padding_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, *,
@@ -156,21 +166,12 @@ def fa4_key_padding_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns:
         ``[B, H, Sq, D]`` in q's dtype. A batch row with no valid key gets zeros (SDPA gives NaN there).
+
+    Under ``torch.compile`` this is the custom operator ``torch.ops.diffusers_sp.fa4_key_padding_attention``
+    (packing inside it, so the data-dependent sizes never enter the graph).
     """
-    varlen = _require()[1]
-    batch, heads, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
-    counts = key_mask.sum(dim=1, dtype=torch.int32)
-    cu_k = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
-    cu_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=q.device)
-    keep = key_mask.reshape(-1).nonzero().squeeze(1)
-    k_packed = k.transpose(1, 2).reshape(batch * seq_k, heads, head_dim).index_select(0, keep)
-    v_packed = v.transpose(1, 2).reshape(batch * seq_k, heads, head_dim).index_select(0, keep)
-    out = varlen(q.transpose(1, 2).reshape(batch * seq_q, heads, head_dim), k_packed, v_packed,
-                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seq_q, max_seqlen_k=seq_k,
-                 softmax_scale=scale)
-    out = out[0] if isinstance(out, tuple) else out
-    return out.view(batch, seq_q, heads, head_dim).transpose(1, 2)
+    padded = torch.ops.diffusers_sp.fa4_key_padding_attention if torch.compiler.is_compiling() else _key_padding
+    return padded(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask, scale).transpose(1, 2)
 
 
 def fa4_block_sparse_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -213,29 +214,10 @@ def fa4_block_sparse_fine_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     One sparse block is one tile (``V x V``). A selected key tile with ``V`` valid slots is a full block
     (no mask evaluated); a partial one is a mask block, where :func:`_valid_key_slot_mask_mod` reads a
     per-slot threshold table and removes the padded slots, so the softmax is over valid keys only.
+    Under ``torch.compile`` this is the custom operator ``torch.ops.diffusers_sp.fa4_block_sparse_fine_stage``.
     """
-    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-
-    from .tiles import block_lists
-
-    batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
-    num_kv_tiles = k.shape[2]
-    whole = (kv_block_sizes == tile_volume)[selected]  # [B, H, Nq, topk]
-    full_count, full_index = block_lists(selected, whole, num_kv_tiles)
-    mask_count, mask_index = block_lists(selected, ~whole, num_kv_tiles)
-    sparse = BlockSparseTensorsTorch(mask_block_cnt=mask_count, mask_block_idx=mask_index,
-                                     full_block_cnt=full_count, full_block_idx=full_index,
-                                     block_size=(tile_volume, tile_volume))
-    slot = torch.arange(tile_volume, device=q.device)
-    threshold = torch.where(slot < kv_block_sizes.unsqueeze(-1), 0, _NEVER).to(torch.int32).reshape(-1)
-    func = _require()[0]
-    out = func(q.reshape(batch, heads, num_q_tiles * tile_volume, head_dim).transpose(1, 2),
-               k.reshape(batch, heads, num_kv_tiles * tile_volume, head_dim).transpose(1, 2),
-               v.reshape(batch, heads, num_kv_tiles * tile_volume, head_dim).transpose(1, 2),
-               softmax_scale=scale, mask_mod=_valid_key_slot_mask_mod(), aux_tensors=[threshold],
-               block_sparse_tensors=sparse)
-    out = out[0] if isinstance(out, tuple) else out
-    return out.transpose(1, 2).reshape(batch, heads, num_q_tiles, tile_volume, head_dim)
+    fine = torch.ops.diffusers_sp.fa4_block_sparse_fine_stage if torch.compiler.is_compiling() else _block_sparse
+    return fine(q, k, v, selected, kv_block_sizes, scale)
 
 
 @functools.lru_cache(maxsize=None)
@@ -261,3 +243,96 @@ def _require():
     if functions is None:
         raise RuntimeError("FlashAttention-4 (flash_attn.cute) is not installed")
     return functions
+
+
+# ---------------------------------------------------------------- the kernels, and their custom operators
+# Layouts inside the operators are FA4's: q [B, Sq, H, D], k and v [B, Sk, H, D], outputs [B, Sq, H, D]
+# as FA4 returns them (fresh tensors: an operator's output may not alias its inputs).
+
+
+def _dense(q, k, v, scale):
+    out = _require()[0](q, k, v, softmax_scale=scale)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _key_padding(q, k, v, key_mask, scale):
+    """Packs the valid keys of each batch row (``cu_seqlens_k`` from the mask's row sums; one host
+    synchronisation) and runs FA4's varlen entry; ``[B, Sq, H, D]``."""
+    batch, seq_q, heads, head_dim = q.shape
+    seq_k = k.shape[1]
+    counts = key_mask.sum(dim=1, dtype=torch.int32)
+    cu_k = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=q.device)
+    keep = key_mask.reshape(-1).nonzero().squeeze(1)
+    k_packed = k.reshape(batch * seq_k, heads, head_dim).index_select(0, keep)
+    v_packed = v.reshape(batch * seq_k, heads, v.shape[-1]).index_select(0, keep)
+    out = _require()[1](q.reshape(batch * seq_q, heads, head_dim), k_packed, v_packed,
+                        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seq_q, max_seqlen_k=seq_k,
+                        softmax_scale=scale)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.view(batch, seq_q, heads, v.shape[-1])
+
+
+def _block_sparse(q, k, v, selected, kv_block_sizes, scale):
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    from .tiles import block_lists
+
+    batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
+    num_kv_tiles = k.shape[2]
+    whole = (kv_block_sizes == tile_volume)[selected]  # [B, H, Nq, topk]
+    full_count, full_index = block_lists(selected, whole, num_kv_tiles)
+    mask_count, mask_index = block_lists(selected, ~whole, num_kv_tiles)
+    sparse = BlockSparseTensorsTorch(mask_block_cnt=mask_count, mask_block_idx=mask_index,
+                                     full_block_cnt=full_count, full_block_idx=full_index,
+                                     block_size=(tile_volume, tile_volume))
+    slot = torch.arange(tile_volume, device=q.device)
+    threshold = torch.where(slot < kv_block_sizes.unsqueeze(-1), 0, _NEVER).to(torch.int32).reshape(-1)
+    func = _require()[0]
+    out = func(q.reshape(batch, heads, num_q_tiles * tile_volume, head_dim).transpose(1, 2),
+               k.reshape(batch, heads, num_kv_tiles * tile_volume, head_dim).transpose(1, 2),
+               v.reshape(batch, heads, num_kv_tiles * tile_volume, head_dim).transpose(1, 2),
+               softmax_scale=scale, mask_mod=_valid_key_slot_mask_mod(), aux_tensors=[threshold],
+               block_sparse_tensors=sparse)
+    out = out[0] if isinstance(out, tuple) else out
+    return _block_sparse_layout(out, q.shape)
+
+
+def _block_sparse_layout(out: torch.Tensor, shape) -> torch.Tensor:
+    """FA4's ``[B, Nq * V, H, D]`` output seen as ``[B, H, Nq, V, D]`` (a view, no copy)."""
+    batch, heads, num_q_tiles, tile_volume, head_dim = shape
+    return out.view(batch, num_q_tiles, tile_volume, heads, head_dim).permute(0, 3, 1, 2, 4)
+
+
+@torch.library.custom_op("diffusers_sp::fa4_attention", mutates_args=())
+def _fa4_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    return _dense(q, k, v, scale)
+
+
+@_fa4_attention_op.register_fake
+def _(q, k, v, scale):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+@torch.library.custom_op("diffusers_sp::fa4_key_padding_attention", mutates_args=())
+def _fa4_key_padding_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
+                        scale: float | None) -> torch.Tensor:
+    return _key_padding(q, k, v, key_mask, scale)
+
+
+@_fa4_key_padding_op.register_fake
+def _(q, k, v, key_mask, scale):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+@torch.library.custom_op("diffusers_sp::fa4_block_sparse_fine_stage", mutates_args=())
+def _fa4_block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor,
+                         kv_block_sizes: torch.Tensor, scale: float) -> torch.Tensor:
+    return _block_sparse(q, k, v, selected, kv_block_sizes, scale)
+
+
+@_fa4_block_sparse_op.register_fake
+def _(q, k, v, selected, kv_block_sizes, scale):
+    batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
+    flat = q.new_empty(batch, num_q_tiles * tile_volume, heads, head_dim)
+    return _block_sparse_layout(flat, q.shape)

@@ -11,6 +11,10 @@ communication. :func:`choose_kernel` picks the kernel for those tensors:
 * ``torch.nn.functional.scaled_dot_product_attention`` otherwise, with cuDNN first on CUDA (on H100/H200
   at DiT shapes it measured ~590 TFLOP/s against ~360 for SDPA's flash backend). Float masks, masks
   that vary over heads or queries, float32 and CPU tensors always run here.
+
+Under ``torch.compile`` the choice is made while tracing (the installed packages and the device's
+capability enter the graph as constants) and FA4 runs as a custom operator, so compiled regions keep
+it with no graph break. FA3/FA2 and compiled regions that need gradients run SDPA.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def _legacy_flash_attn():
 @functools.lru_cache(maxsize=None)
 def choose_kernel(requested: str, *, device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype,
                   head_dim: int, mask: str | None, fa4_installed: bool, legacy_flash: str | None,
-                  compiling: bool = False) -> KernelChoice:
+                  compiling: bool = False, needs_grad: bool = False) -> KernelChoice:
     """Which kernel runs an attention call (pure: no device or import is touched).
 
     Args:
@@ -85,8 +89,10 @@ def choose_kernel(requested: str, *, device_type: str, capability: tuple[int, in
             :func:`diffusers_sp.kernels.fa4.key_padding_rows`) or ``"other"``.
         fa4_installed: Whether ``flash_attn.cute`` imports.
         legacy_flash: ``"flash_attn_3"`` / ``"flash_attn_2"`` when that package is installed, else None.
-        compiling: Whether the call is being traced by ``torch.compile``: FA4's CuTe DSL kernels compile
-            themselves at the first call and do not trace, so compiled regions run SDPA.
+        compiling: Whether the call is being traced by ``torch.compile``: FA4 then runs as the forward-only
+            custom operators of :mod:`diffusers_sp.kernels.fa4`; FA3/FA2 run only eagerly.
+        needs_grad: Whether a gradient flows through the call; with ``compiling`` it rules FA4 out (its
+            operators have no backward).
 
     Returns:
         The :class:`KernelChoice`.
@@ -99,8 +105,8 @@ def choose_kernel(requested: str, *, device_type: str, capability: tuple[int, in
     if requested == "sdpa":
         return KernelChoice("sdpa")
     reason = fa4.fa4_unsupported_reason(device_type, capability, dtype, head_dim, installed=fa4_installed)
-    if reason is None and compiling:
-        reason = "inside torch.compile, where FlashAttention-4's CuTe DSL kernels do not trace"
+    if reason is None and compiling and needs_grad:
+        reason = "inside torch.compile with gradients, and FlashAttention-4's operators here are forward-only"
     if reason is None and mask == "other":
         reason = "the mask is not a boolean key padding mask (FlashAttention-4 takes those through varlen)"
     if reason is None:
@@ -124,19 +130,24 @@ def mask_kind(attn_mask: torch.Tensor | None, batch: int, num_keys: int) -> str 
     return "key_padding" if fa4.key_padding_rows(attn_mask, batch, num_keys) is not None else "other"
 
 
+# torch.compile calls this once per traced call site and keeps the answer as a constant of the graph:
+# the package imports and the CUDA capability query behind it do not trace.
+@torch.compiler.assume_constant_result
 def kernel_on(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, mask: str | None = None,
-              compiling: bool = False) -> KernelChoice:
+              compiling: bool = False, needs_grad: bool = False) -> KernelChoice:
     """:func:`choose_kernel` for a device, with the installed packages and the device's capability looked up."""
     legacy = _legacy_flash_attn()
     return choose_kernel(requested, device_type=device.type, capability=fa4.device_capability(device), dtype=dtype,
                          head_dim=head_dim, mask=mask, fa4_installed=fa4.fa4_installed(),
-                         legacy_flash=None if legacy is None else legacy[1], compiling=compiling)
+                         legacy_flash=None if legacy is None else legacy[1], compiling=compiling,
+                         needs_grad=needs_grad)
 
 
 def kernel_for(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, requested: str) -> KernelChoice:
     """:func:`choose_kernel` for actual tensors: ``q`` ``[B, H, Sq, D]``, ``k`` ``[B, H, Sk, D]`` and a mask."""
-    return kernel_on(requested, q.device, q.dtype, q.shape[-1], mask_kind(attn_mask, q.shape[0], k.shape[2]),
-                     compiling=torch.compiler.is_compiling())
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    return kernel_on(requested, q.device, q.dtype, int(q.shape[-1]), mask_kind(attn_mask, q.shape[0], k.shape[2]),
+                     compiling=torch.compiler.is_compiling(), needs_grad=needs_grad)
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,12 +176,8 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_m
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
-    if torch.compiler.is_compiling():
-        # Traced by torch.compile: SDPA, decided without the package and device look-ups (each would
-        # break the graph), since FA4's CuTe DSL kernels do not trace (choose_kernel's "compiling").
-        return _sdpa(q, k, v, attn_mask, scale)
     choice = kernel_for(q, k, attn_mask, kernel)
-    if kernel == "flash_attn" and choice.reason and choice.name == "sdpa":
+    if kernel == "flash_attn" and choice.reason and choice.name == "sdpa" and not torch.compiler.is_compiling():
         _log_fallback(kernel, choice)
     if choice.name == "flash_attn_4":
         if attn_mask is None:

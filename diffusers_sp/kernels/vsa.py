@@ -185,7 +185,10 @@ def _fine_stage_flex(q, k, v, selected, kv_block_sizes, scale):
     batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
     num_kv_tiles = k.shape[2]
     block_mask = _selection_block_mask(selected, kv_block_sizes, tile_volume)
-    out = _compiled_flex_attention()(
+    # Inside a compiled region the enclosing compile compiles flex_attention (a nested torch.compile
+    # call would not trace).
+    attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+    out = attend(
         q.reshape(batch, heads, num_q_tiles * tile_volume, head_dim),
         k.reshape(batch, heads, num_kv_tiles * tile_volume, head_dim),
         v.reshape(batch, heads, num_kv_tiles * tile_volume, head_dim),

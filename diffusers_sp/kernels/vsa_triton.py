@@ -15,7 +15,9 @@ every tile through Triton's tensor descriptors, i.e. with the tensor-memory acce
 keeps more loads in flight: one tile per step, same arithmetic, bit-identical output.
 
 Only importable where Triton is (CUDA builds of torch); :func:`triton_applies` says whether the
-kernel can run on given tensors.
+kernel can run on given tensors. Under ``torch.compile`` the launch is the custom operator
+``torch.ops.diffusers_sp.vsa_fine_stage_triton`` (the host-side tensor descriptors do not trace), one
+opaque node with a fake implementation for the output's shape; eager calls launch directly.
 """
 
 from __future__ import annotations
@@ -112,6 +114,13 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
     """
     if not triton_applies(q, k, v):
         raise ValueError(triton_requirements(q, k, v))
+    if config is None and torch.compiler.is_compiling():
+        return torch.ops.diffusers_sp.vsa_fine_stage_triton(q, k, v, selected, kv_block_sizes, scale)
+    return _launch(q, k, v, selected, kv_block_sizes, scale, config)
+
+
+def _launch(q, k, v, selected, kv_block_sizes, scale, config):
+    """Launches the kernel (see :func:`fine_stage_triton`); ``[B, H, Nq, V, D]`` contiguous."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
     if cfg["tiles_per_step"] not in (1, 2, 4) or tile_volume * cfg["tiles_per_step"] > 256:
@@ -140,6 +149,17 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
         TILE=tile_volume, HEAD_DIM=head_dim, TILES_PER_STEP=cfg["tiles_per_step"],
         num_warps=cfg["num_warps"], num_stages=stages)
     return out
+
+
+@torch.library.custom_op("diffusers_sp::vsa_fine_stage_triton", mutates_args=())
+def _fine_stage_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor,
+                   kv_block_sizes: torch.Tensor, scale: float) -> torch.Tensor:
+    return _launch(q, k, v, selected, kv_block_sizes, scale, None)
+
+
+@_fine_stage_op.register_fake
+def _(q, k, v, selected, kv_block_sizes, scale):
+    return q.new_empty(q.shape)
 
 
 if triton is not None:

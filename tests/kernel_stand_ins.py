@@ -1,0 +1,103 @@
+"""CPU stand-ins for the CUDA kernels, so that the CPU suite can check how they sit inside ``torch.compile``.
+
+FlashAttention-4 and the Triton VSA fine stage run only on a GPU. :func:`stand_in_kernels` makes the
+package believe both are there on CPU: FA4's ``flash_attn_func`` / ``flash_attn_varlen_func`` become
+SDPA with FA4's ``[B, S, H, D]`` layout (varlen: over the packed ``cu_seqlens`` segments), the Triton
+launch becomes the reference fine stage, and the checks that would refuse CPU tensors say yes. The
+product's code paths above the kernels (the choice, the custom operators, their fake implementations,
+the packing of key padding masks) run unchanged. The counters say how often each stand-in ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from diffusers_sp.kernels import fa4, sdpa, vsa, vsa_triton
+
+# Names of the custom operators as they appear in an FX graph.
+FA4_DENSE_OP = "diffusers_sp.fa4_attention"
+FA4_VARLEN_OP = "diffusers_sp.fa4_key_padding_attention"
+VSA_TRITON_OP = "diffusers_sp.vsa_fine_stage_triton"
+
+
+def _dense(calls):
+    def flash_attn_func(q, k, v, softmax_scale=None):
+        calls["fa4_dense"] += 1
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             scale=softmax_scale)
+        return out.transpose(1, 2).contiguous(), None
+
+    return flash_attn_func
+
+
+def _varlen(calls):
+    def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None):
+        calls["fa4_varlen"] += 1
+        out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+        for b in range(cu_seqlens_q.numel() - 1):
+            qs, qe, ks, ke = (int(x) for x in (cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b],
+                                                cu_seqlens_k[b + 1]))
+            if ke > ks:  # FA4 gives zeros for a row with no valid key
+                o = F.scaled_dot_product_attention(q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1),
+                                                   v[ks:ke].transpose(0, 1), scale=softmax_scale)
+                out[qs:qe] = o.transpose(0, 1)
+        return out, None
+
+    return flash_attn_varlen_func
+
+
+def _fa4_reason(device_type, capability, dtype, head_dim, *, installed):
+    return None if installed else "flash-attn-4 is not installed"
+
+
+@contextlib.contextmanager
+def stand_in_kernels():
+    """Within the block, FA4 and the Triton VSA kernel "run" on CPU (see the module docstring).
+
+    Yields:
+        A :class:`collections.Counter` of stand-in calls: ``fa4_dense``, ``fa4_varlen``, ``vsa_triton``.
+    """
+    calls = Counter()
+    functions = (_dense(calls), _varlen(calls))
+
+    def launch(q, k, v, selected, kv_block_sizes, scale, config):
+        calls["vsa_triton"] += 1
+        return vsa._fine_stage_reference(q, k, v, selected, kv_block_sizes.long(), scale).contiguous()
+
+    def triton_applies(q, k, v):
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return q.dtype in (torch.float32, torch.bfloat16, torch.float16) and not needs_grad
+
+    patches = [mock.patch.object(fa4, "fa4_functions", lambda: functions),
+               mock.patch.object(fa4, "fa4_unsupported_reason", _fa4_reason),
+               mock.patch.object(vsa_triton, "_launch", launch),
+               mock.patch.object(vsa_triton, "triton_applies", triton_applies),
+               mock.patch.object(vsa, "triton_applies", triton_applies)]
+    sdpa.choose_kernel.cache_clear()
+    try:
+        with contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p)
+            yield calls
+    finally:
+        sdpa.choose_kernel.cache_clear()
+        torch._dynamo.reset()
+
+
+def recording_backend(targets: Counter):
+    """A ``torch.compile`` backend that counts the ``call_function`` targets of every graph it gets (as
+    ``str(node.target)``) and then runs it through ``aot_eager`` (AOTAutograd with fake tensors, which
+    exercises the custom operators' fake implementations, then eager kernels)."""
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return aot_eager(gm, example_inputs)
+
+    return backend
