@@ -8,7 +8,8 @@
   mode (Ulysses, K/V-gather, hybrid, VSA) compiles the transformer blocks with ``fullgraph=True``
   (Diffusers' regional compilation) and the kernels run inside the compiled graphs as the custom
   operators ``diffusers_sp::fa4_attention``, ``fa4_key_padding_attention`` (ragged text) and
-  ``vsa_fine_stage_triton``; the compiled output equals the eager one.
+  ``vsa_fine_stage_triton``; the compiled output equals the eager one; the whole model traces
+  without a graph break (the stock model has none either).
 
 Dynamo traces from the first call after ``enable_sequence_parallel`` (no eager call first), as a user's
 ``torch.compile(pipe.transformer)`` right after enabling does: state cached on a first eager call must
@@ -121,9 +122,10 @@ def _ragged_hunyuan():
 
 
 def compiled_blocks(mode: str, make=None) -> dict:
-    """Eager, then ``compile_repeated_blocks(fullgraph=True)``, with the kernels stood in for: the
-    difference, the stand-ins' calls in each run, the operators in the compiled graphs, the handle's
-    report. A graph break raises (fullgraph) and is returned as ``error``."""
+    """With the kernels stood in for: the graph breaks of the whole model (``torch._dynamo.explain``),
+    then eager against ``compile_repeated_blocks(fullgraph=True)``: the difference, the stand-ins' calls
+    in each run, the operators in the compiled graphs, the handle's report. A graph break in a block
+    raises (fullgraph) and is returned as ``error``."""
     from collections import Counter
 
     options, _ = KERNEL_MODES[mode]
@@ -137,6 +139,10 @@ def compiled_blocks(mode: str, make=None) -> dict:
         out = {"kernel": handle.kernel_choice().name, "compiled_kernel": handle.kernel_choice(compiled=True).name}
         try:
             with torch.no_grad():
+                # The whole model first (dynamo from the first call, no eager call before it), then the blocks.
+                report = _explain(model, inputs)
+                out.update(breaks=report.graph_break_count, reasons=_describe(report))
+                calls.clear()
                 eager = model(**inputs)[0]
                 out["eager_calls"] = dict(calls)
                 calls.clear()
@@ -159,6 +165,8 @@ def kernel_problems(label: str, mode: str, r: dict, op: str | None = None) -> li
     if "error" in r:
         return [f"{label}: compiling the blocks with fullgraph=True failed: {r['error']}"]
     problems = []
+    if r["breaks"]:
+        problems.append(f"{label}: {r['breaks']} graph breaks in the whole model:\n    " + "\n    ".join(r["reasons"]))
     if r["diff"] > TOL * max(r["scale"], 1.0):
         problems.append(f"{label}: compiled differs from eager by {r['diff']} (scale {r['scale']})")
     if not r["ops"].get(op):

@@ -75,7 +75,9 @@ class TilePlan:
     chunk_slots: tuple = ()
 
 
-@functools.lru_cache(maxsize=16)
+# A constant while torch.compile traces (the plan's index tensors enter the graph as constants): the
+# building uses nonzero and boolean indexing, data-dependent shapes that would break the graph.
+@torch.compiler.assume_constant_result
 def tile_plan(grid: tuple[int, int, int], tile: tuple[int, int, int], world_size: int,
               device: torch.device = torch.device("cpu"), ulysses_degree: int = 1) -> TilePlan:
     """The :class:`TilePlan` of ``grid`` cut into ``tile`` over ``world_size`` ranks, its index tensors
@@ -87,6 +89,11 @@ def tile_plan(grid: tuple[int, int, int], tile: tuple[int, int, int], world_size
     Raises:
         SequenceParallelConfigError: fewer tiles than ranks.
     """
+    return _cached_tile_plan(grid, tile, world_size, device, ulysses_degree)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_tile_plan(grid, tile, world_size, device, ulysses_degree) -> TilePlan:
     with torch.inference_mode(False):
         return _build_tile_plan(grid, tile, world_size, device, ulysses_degree)
 
