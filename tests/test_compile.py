@@ -261,3 +261,32 @@ def test_distributed_compile(stock_report):
                 problems.append(f"rank {rank} {mode} with grad on: {r['grad_breaks']} graph breaks:\n    "
                                 + "\n    ".join(r["grad_reasons"]))
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "vsa"])
+def test_compiled_kernels_across_shapes_and_with_gradients(mode):
+    """One compiled model, the kernels stood in for: new latent sizes recompile and still run the kernel
+    operators (equal to eager); with gradients on, the forward-only operators give way (FA4 to SDPA, the
+    Triton fine stage to the reference) and the backward runs."""
+    options, _ = KERNEL_MODES[mode]
+    stand_in = "fa4_dense" if mode == "ulysses" else "vsa_triton"
+    g = torch.Generator().manual_seed(1)
+    with stand_in_kernels() as calls:
+        model = _model()
+        handle = enable_sequence_parallel(model, mode=mode, **options)
+        try:
+            compiled = torch.compile(model, backend="aot_eager")
+            for frames, height, width in ((3, 6, 10), (2, 6, 10), (4, 8, 10)):
+                inputs = dict(_inputs(), hidden_states=torch.randn(1, 16, frames, height, width, generator=g))
+                with torch.no_grad():
+                    eager = model(**inputs)[0]
+                    calls.clear()
+                    out = compiled(**inputs)[0]
+                assert calls[stand_in] == 1, (frames, height, width, dict(calls))
+                assert float((out - eager).abs().max()) <= TOL * max(float(eager.abs().max()), 1.0)
+            calls.clear()
+            compiled(**_inputs())[0].sum().backward()
+            assert not calls, dict(calls)
+            assert model.blocks[0].attn1.to_q.weight.grad.abs().sum() > 0
+        finally:
+            handle.disable()

@@ -186,7 +186,8 @@ def fa4_block_sparse_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
                                     installed=fa4_installed())
     if reason is not None:
         return reason
-    if device_capability(q.device)[0] != 9:
+    capability = device_capability(q.device)
+    if capability is None or capability[0] != 9:
         return "the block-sparse VSA path is built for Hopper (sm90)"
     if q.shape[3] % 64:
         return f"the tile volume V={q.shape[3]} is not a multiple of 64"
