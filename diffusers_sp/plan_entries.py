@@ -54,6 +54,9 @@ class SequenceState:
         mesh: ``None``, or in ``mode="hybrid"`` (and VSA over it) the
             :class:`~diffusers_sp.groups.HybridMesh` that factors :attr:`group` into Ulysses and
             K/V-gather groups; the tokens are split over :attr:`group` as in every mode.
+        whole: ``None``, or while a forward runs whole (:func:`run_whole`: its sequence is shorter than
+            the world size) the ``(group, mesh)`` that :attr:`group` and :attr:`mesh` stand in for;
+            :func:`end_whole` puts them back.
     """
 
     group: SPGroup
@@ -66,6 +69,7 @@ class SequenceState:
     check: Callable[[], None] | None = None
     call: tuple | None = None
     mesh: Any = None
+    whole: tuple | None = None
 
     def shard_sizes(self) -> list[int]:
         """Tokens held by each rank for the current forward."""
@@ -79,37 +83,66 @@ class SequenceState:
         return balanced_sizes(self.seq_len, self.group.world_size)
 
 
+#: The group of a forward that runs whole: one rank, nothing exchanged (see :func:`run_whole`).
+_ONE_RANK = SPGroup(None, 0, 1, None)
+
+
+def run_whole(state: SequenceState) -> None:
+    """Runs the current forward whole on every rank: its sequence has fewer tokens than the group has
+    ranks, so some ranks would hold none.
+
+    Every rank then computes what one process computes (the same inputs, the same weights), so the
+    result is exact, and nothing is exchanged: :attr:`SequenceState.group` becomes a one-rank group for
+    the rest of the forward (the splits keep every token, the gathers do nothing) and the attention
+    processors call the model's own processor (see
+    :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`). A sequence shorter than the
+    rank count is far below one shard of any real workload, so running it P times costs nothing that
+    matters, while a zero-token shard would reach the model's own code (reshapes with ``-1`` of an
+    empty tensor raise there, on that rank alone). Called at the forward's first split, before any
+    collective of the forward, by every rank alike (every rank holds the same full inputs).
+    """
+    if state.whole is None:
+        state.whole = (state.group, state.mesh)
+        state.group, state.mesh = _ONE_RANK, None
+
+
+def end_whole(state: SequenceState) -> None:
+    """Puts back the group (and mesh) :func:`run_whole` stood in for; nothing when the forward ran split."""
+    if state.whole is not None:
+        (state.group, state.mesh), state.whole = state.whole, None
+
+
 def split_tensor(state: SequenceState, x, spec, what: str = "a tensor"):
     """This rank's shard of ``x`` along ``spec.split_dim`` (a Diffusers ``ContextParallelInput``), in
     the order of ``state.order`` when one is set; ``x`` passes whole when it is not a tensor of
     ``spec.expected_dims`` dims. The first split of a forward sets ``state.seq_len``; every later one
-    must agree with it.
+    must agree with it. A first split of fewer tokens than ranks makes the forward run whole
+    (:func:`run_whole`).
 
     Raises:
-        SequenceParallelConfigError: fewer tokens than ranks, a length that disagrees with the
+        SequenceParallelConfigError: an empty sequence, a length that disagrees with the
             forward's earlier splits, or one that disagrees with the token order (the same on every
             rank: every rank holds the same full inputs).
     """
     if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
         return x
-    group = state.group
     length = x.shape[spec.split_dim]
-    if length < group.world_size:
-        broadcast = (" A dimension of 1 that broadcasts over the tokens, such as a timestep of shape "
-                     "[B, 1], cannot be split: pass one value per sample ([B]) or one per token.") if length == 1 else ""
+    if length < 1:
         raise SequenceParallelConfigError(
-            f"cannot split a sequence of {length} tokens over {group.world_size} ranks ({what} of shape "
-            f"{list(x.shape)}, dim {spec.split_dim}); use fewer ranks or a larger latent (height, width or "
-            f"frames).{broadcast}"
-        )
+            f"cannot split an empty sequence ({what} of shape {list(x.shape)}, dim {spec.split_dim}).")
+    if state.seq_len is None and state.order is None and length < state.group.world_size:
+        run_whole(state)
+    group = state.group
     if state.seq_len is not None and length != state.seq_len:
         source, shape, dim = state.seq_source
         # Splitting anyway would hand ranks shards that disagree (a shape error on some ranks while the
         # others wait in a collective) or, for a length that happens to divide, silently wrong values.
+        broadcast = (" A dimension of 1 that broadcasts over the tokens, such as a timestep of shape [B, 1], cannot "
+                     "be split: pass one value per sample ([B]) or one per token.") if 1 in (length, state.seq_len) else ""
         raise SequenceParallelConfigError(
             f"inputs disagree on the sequence length: {source} of shape {list(shape)} (dim {dim}) has {state.seq_len} "
             f"entries, while {what} of shape {list(x.shape)} has {length} along dim {spec.split_dim}. "
-            f"Every tensor split along the sequence needs one entry per token.")
+            f"Every tensor split along the sequence needs one entry per token.{broadcast}")
     state.seq_len = length
     state.seq_source = (what, x.shape, spec.split_dim)  # a string only if an error needs it
     order = state.order
@@ -378,10 +411,10 @@ class SequenceLength:
         if value is None:
             return value
         n = int(self.length(value))
-        if n < state.group.world_size:
-            raise SequenceParallelConfigError(
-                f"cannot split a sequence of {n} tokens over {state.group.world_size} ranks (the length given by "
-                f"{what}); use fewer ranks or a larger latent (height or width).")
+        if n < 1:
+            raise SequenceParallelConfigError(f"cannot split an empty sequence (the length given by {what}).")
+        if state.seq_len is None and state.order is None and n < state.group.world_size:
+            run_whole(state)
         if state.seq_len is not None and n != state.seq_len:
             source, shape, dim = state.seq_source
             raise SequenceParallelConfigError(

@@ -48,7 +48,7 @@ from diffusers.models._modeling_parallel import ContextParallelOutput
 from .errors import SequenceParallelConfigError
 from .grid_window import GridSide, GridWindow, GridWindowHook
 from .plan_entries import (GatherInput, JointSequence, PrefixCount, SequenceLength, SequenceState, SplitByDims,
-                           SplitEach, SplitUnlessBroadcast, TailCount, gather_tensor, split_value)
+                           SplitEach, SplitUnlessBroadcast, TailCount, end_whole, gather_tensor, split_value)
 from .shards import TokenOrder, balanced_sizes, shard
 
 #: Names re-exported for the family modules and older imports; their homes are the modules above.
@@ -117,8 +117,9 @@ class SequenceForwardHook(ModelHook):
     """Marks the start of the model's forward: runs ``state.check``, forgets the previous forward's
     sequence length, so that every split of this forward is checked against the first one (see
     :class:`SequenceSplitHook`), keeps the unsplit call in ``state.call`` until the forward returns,
-    and refuses the forward arguments in ``refuse`` (``{name: why}``) when they are not ``None``.
-    Attached to the model after the plan's hooks, so its pre-forward runs before theirs."""
+    and refuses the forward arguments in ``refuse`` (``{name: why}``) when they are not ``None``. A
+    forward that ran whole (:func:`~diffusers_sp.plan_entries.run_whole`) gets its group back when it
+    returns (or, had it raised, when the next one begins). Attached to the model after the plan's hooks, so its pre-forward runs before theirs."""
 
     def __init__(self, state: SequenceState, refuse: dict | None = None):
         super().__init__()
@@ -131,6 +132,7 @@ class SequenceForwardHook(ModelHook):
         return module
 
     def pre_forward(self, module, *args, **kwargs):
+        end_whole(self.state)  # a forward that raised while running whole
         if self.state.check is not None:
             self.state.check()
         self.state.seq_len, self.state.seq_source, self.state.inputs_split = None, (), False
@@ -149,6 +151,7 @@ class SequenceForwardHook(ModelHook):
 
     def post_forward(self, module, output):
         self.state.call = None  # the inputs are not kept alive past the forward
+        end_whole(self.state)
         return output
 
 

@@ -30,14 +30,18 @@ def _launch(tmp_path, *extra):
     return proc, out
 
 
-@pytest.mark.parametrize("extra", [(), ("--num_processes", "3", "--mode", "vsa")], ids=["P2-auto", "P3-vsa"])
+@pytest.mark.parametrize("extra", [(), ("--num_processes", "3", "--mode", "vsa"),
+                                   ("--num_processes", "2", "--height", "16", "--width", "16", "--num-frames", "1")],
+                         ids=["P2-auto", "P3-vsa", "P2-one-token"])
 def test_generate_video_check_ok(tmp_path, extra):
+    """The main job equals one process: by default, with VSA at 3 ranks, and with a 16 x 16 one-frame video
+    whose single token is fewer than the ranks (the transformer's forward then runs whole on each rank)."""
     proc, out = _launch(tmp_path, *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [l for l in proc.stdout.splitlines() if l.startswith("check:")]
     assert len(lines) == 1 and lines[0].endswith(" OK"), proc.stdout[-3000:]
     assert out.exists() and out.stat().st_size > 0
-    expected_ranks = "3" if extra else "2"
+    expected_ranks = extra[1] if extra else "2"
     assert f"ranks={expected_ranks} (sp {expected_ranks})" in proc.stdout + proc.stderr
     assert "transfers: gloo" in proc.stdout + proc.stderr  # the backend that runs, not "nccl"
     # One header: the --check reference (VSA on a one-rank group) does not log a second "sp 1" one.
@@ -85,14 +89,15 @@ def _our_errors(*texts: str) -> list[str]:
 _IMPORT_NOISE = ("Failed to load ", "torchao", "_pytree.py", "is an Enum subclass", "requires torchvision")
 
 
-def test_generate_video_too_few_tokens_is_one_line(tmp_path):
-    """A 16x16, 1-frame video has 1 token for 2 ranks: every rank raises in the forward, alike; rank 0
-    prints the error as one line, the others stay quiet, the run ends (no hang) non-zero, and no video
-    is written."""
-    proc, out = _launch(tmp_path, "--num_processes", "2", "--height", "16", "--width", "16", "--num-frames", "1")
+def test_generate_video_too_few_tiles_is_one_line(tmp_path):
+    """VSA over a 16x16, 1-frame video has 1 tile for 3 ranks: every rank raises in the forward, alike;
+    rank 0 prints the error as one line, the others stay quiet, the run ends (no hang) non-zero, and no
+    video is written."""
+    proc, out = _launch(tmp_path, "--num_processes", "3", "--mode", "vsa", "--height", "16", "--width", "16",
+                        "--num-frames", "1")
     assert proc.returncode != 0
     errors = _our_errors(proc.stdout, proc.stderr)
-    assert len(errors) == 1 and errors[0].startswith("error: cannot split a sequence of 1 tokens over 2 ranks"), \
+    assert len(errors) == 1 and errors[0].startswith("error: VSA: the latent grid (1, 1, 1)"), \
         proc.stderr[-3000:]
     assert "generate_video.py\", line" not in proc.stderr, "a rank printed a traceback"
     assert not out.exists()

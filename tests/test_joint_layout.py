@@ -12,7 +12,7 @@ from diffusers_sp.pipelines import FAMILIES, family_for_model, plan_without, sup
 from diffusers_sp.processors.masks import (full_sequence_mask, is_image_identity_mask, join_text_image,
                                           normalize_key_padding_mask, query_rows, split_text_image,
                                           symmetric_padding_vector)
-from diffusers_sp.plan_entries import split_value
+from diffusers_sp.plan_entries import end_whole, split_value
 from diffusers_sp.traits import ModelTraits, PipelineTraits
 from diffusers_sp.validation import choose_auto_mode, validate_mode
 
@@ -291,8 +291,12 @@ def test_sequence_length_then_a_joint_sequence():
     assert split_value(hook.state, None, length, "img_shapes") is None
     with pytest.raises(SequenceParallelConfigError, match="gives 12"):
         split_value(hook.state, [[(1, 3, 4)]], length, "img_shapes")
-    with pytest.raises(SequenceParallelConfigError, match="cannot split a sequence of 2 tokens over 3 ranks"):
-        split_value(SequenceState(SPGroup(None, 0, 3, "gloo")), [[(1, 1, 2)]], length, "s")
+    few = SequenceState(SPGroup(None, 2, 3, "gloo"))  # 2 tokens over 3 ranks: the forward runs whole
+    split_value(few, [[(1, 1, 2)]], length, "s")
+    assert few.whole is not None and few.group.world_size == 1 and few.seq_len == 2
+    assert torch.equal(split_value(few, x[:6], tail, "rotary_emb"), x[:6])
+    end_whole(few)
+    assert few.group == SPGroup(None, 2, 3, "gloo") and few.whole is None
 def test_framepack_needs_two_blocks_and_the_history_embedding():
     import families
 

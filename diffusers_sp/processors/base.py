@@ -84,7 +84,8 @@ class SequenceParallelAttnProcessor:
     Subclasses implement :meth:`parallel_attention`, and may implement :meth:`start_attention` and
     :meth:`finish_attention` (setting :attr:`supports_kv_first`). Tensors seen by it are ``[B, H, T + S_r, D]``
     (Diffusers' SDPA layout): ``T`` replicated text tokens (0 without joint text) and this rank's
-    shard of ``S_r`` image tokens, in the family's order.
+    shard of ``S_r`` image tokens, in the family's order. In a forward that runs whole (fewer tokens than
+    ranks: :func:`~diffusers_sp.plan_entries.run_whole`) the model's own processor runs instead.
 
     Inference only: with grad mode on and more than one rank, the call runs under ``torch.no_grad()``
     and its output, when any input or parameter requires grad, gets a backward that raises
@@ -135,6 +136,10 @@ class SequenceParallelAttnProcessor:
         return self.transport == "copy_engine" and query.is_cuda and not torch.compiler.is_compiling()
 
     def _run(self, attn, *args, **kwargs):
+        if self.state.whole is not None:
+            # The forward runs whole on every rank (fewer tokens than ranks: plan_entries.run_whole):
+            # the model's own processor is what one process runs.
+            return self.inner(attn, *args, **kwargs)
         if torch.is_grad_enabled() and self.state.group.world_size > 1 and not torch.compiler.is_compiling():
             # Inference only: the exchanges carry no gradient, so the call runs without autograd
             # (which also saves the memory of its graph), and the output gets a backward that raises.

@@ -24,6 +24,9 @@ from typing import Callable
 
 #: Image/video tokens of every forward case: 5 x 7, which divides neither 2 nor 3.
 TOKENS = 35
+#: Tokens of the ``few_tokens`` forward cases: fewer than the 3 ranks of the largest world size tested, so
+#: that there the forward runs whole on every rank (:func:`diffusers_sp.plan_entries.run_whole`).
+FEW_TOKENS = 2
 #: A batch of two prompts of different lengths (10 and 2 words): ragged text masks where the family
 #: takes one, and CFG folded into the batch where the pipeline does so.
 PROMPTS = ["a cat runs on the grass under the blue sky", "a dog"]
@@ -122,6 +125,19 @@ def randomize_norms(model):
             if "norm" in name and name.endswith("weight"):
                 param.normal_(1.0, 0.5)
     return model
+
+
+def kl_vae(blocks: int, latent_channels: int, **config):
+    """A tiny ``AutoencoderKL`` of ``blocks`` one-layer blocks of 4 channels (``2 ** (blocks - 1)`` x down) and
+    ``latent_channels`` channels, for pipelines whose size arithmetic assumes a downsampling VAE; ``config``
+    adds to its config (``shift_factor``, ``scaling_factor``)."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    return AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(4,) * blocks, layers_per_block=1,
+                         down_block_types=("DownEncoderBlock2D",) * blocks, up_block_types=("UpDecoderBlock2D",) * blocks,
+                         latent_channels=latent_channels, norm_num_groups=1, **config).eval()
 
 
 def gen(seed: int = 1):

@@ -3,7 +3,7 @@
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, gen, image
+from families import FEW_TOKENS, Forward, Pipe, gen, image
 
 
 def _inputs(g):
@@ -22,7 +22,14 @@ def _forward_rope():
     return tm.tiny_cogvideox_transformer(use_rotary_positional_embeddings=True), dict(_inputs(g), image_rotary_emb=rope)
 
 
-FORWARDS = {"": _forward, "rope": _forward_rope}
+def _forward_few_tokens():
+    """One frame of 2 x 4 latents: 2 tokens, fewer than 3 ranks (Diffusers' own CogVideoX test size)."""
+    g = gen()
+    return tm.tiny_cogvideox_transformer(), dict(hidden_states=torch.randn(2, 1, 4, 2, 4, generator=g),
+                                                 encoder_hidden_states=torch.randn(2, 8, 32, generator=g),
+                                                 timestep=torch.tensor([500, 250]))
+
+FORWARDS = {"": _forward, "rope": _forward_rope, "few_tokens": Forward(_forward_few_tokens, tokens=FEW_TOKENS)}
 
 
 def _tiny(cls_name: str, **transformer):

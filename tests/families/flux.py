@@ -4,7 +4,7 @@ import torch
 
 import families
 from diffusers_sp import tiny_models as tm
-from families import Pipe, gen
+from families import FEW_TOKENS, Forward, Pipe, gen
 
 
 def _ids(batched: bool = False):
@@ -30,7 +30,16 @@ def _forward_3d_ids():
         guidance=torch.tensor([3.5]), img_ids=_ids(batched=True), txt_ids=torch.zeros(1, 7, 3))
 
 
-FORWARDS = {"": _forward, "3d_ids": _forward_3d_ids}
+def _forward_few_tokens():
+    """2 image tokens (1 x 2), fewer than 3 ranks, after the text."""
+    g = gen()
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(1.0), torch.arange(2.0), indexing="ij"), -1)
+    return tm.tiny_flux_transformer(guidance_embeds=True), dict(
+        hidden_states=torch.randn(2, 2, 4, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+        pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([0.5, 0.25]),
+        guidance=torch.tensor([3.5, 3.5]), img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(7, 3))
+
+FORWARDS = {"": _forward, "3d_ids": _forward_3d_ids, "few_tokens": Forward(_forward_few_tokens, tokens=FEW_TOKENS)}
 
 
 # ------------------------------------------------------------------ tiny pipelines

@@ -3,7 +3,7 @@
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import PROMPTS, Pipe, gen, image, ragged_mask
+from families import FEW_TOKENS, PROMPTS, Forward, Pipe, gen, image, ragged_mask
 
 
 def _inputs(g, frames: int = 1, height: int = 5, width: int = 7):
@@ -29,7 +29,12 @@ def _forward_token_replace_one_frame():
     return tm.tiny_hunyuan_video_transformer(image_condition_type="token_replace"), _inputs(gen())
 
 
-FORWARDS = {"ragged_prompts": _forward, "token_replace": _forward_token_replace,
+def _forward_few_tokens():
+    """One frame of 1 x 2 latents: 2 tokens, fewer than 3 ranks, with ragged prompts (a rank of no tokens
+    would reach Diffusers' apply_rotary_emb, whose reshape with -1 raises on an empty tensor)."""
+    return tm.tiny_hunyuan_video_transformer(), _inputs(gen(), height=1, width=2)
+
+FORWARDS = {"ragged_prompts": _forward, "few_tokens": Forward(_forward_few_tokens, tokens=FEW_TOKENS), "token_replace": _forward_token_replace,
             "token_replace_one_frame": _forward_token_replace_one_frame}
 
 #: Image tokens the tiny Llava's vision tower gives (32 x 32 pixels in 8 x 8 patches, CLS dropped).

@@ -3,7 +3,7 @@
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import PROMPTS, Pipe, gen, image, ragged_mask
+from families import FEW_TOKENS, PROMPTS, Forward, Pipe, gen, image, ragged_mask
 
 
 def _forward():
@@ -27,7 +27,16 @@ def _forward_per_token_timestep():
         rope_interpolation_scale=(8, 32, 32), video_coords=coords)
 
 
-FORWARDS = {"ragged_prompts": _forward, "per_token_timestep": _forward_per_token_timestep}
+def _forward_few_tokens():
+    """One frame of 1 x 2 latents: 2 tokens, fewer than 3 ranks, with ragged prompts."""
+    g = gen()
+    return tm.tiny_ltx_transformer(), dict(
+        hidden_states=torch.randn(2, 2, 8, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+        encoder_attention_mask=ragged_mask([7, 4], 7), timestep=torch.tensor([500, 250]), num_frames=1, height=1,
+        width=2)
+
+FORWARDS = {"ragged_prompts": _forward, "per_token_timestep": _forward_per_token_timestep,
+            "few_tokens": Forward(_forward_few_tokens, tokens=FEW_TOKENS)}
 
 
 def _tiny(cls_name: str):

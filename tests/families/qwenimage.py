@@ -3,7 +3,7 @@
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, gen, image, mask_image, ragged_mask
+from families import FEW_TOKENS, Forward, Pipe, gen, image, mask_image, ragged_mask
 
 
 def _forward():
@@ -14,7 +14,15 @@ def _forward():
         img_shapes=[[(1, 5, 7)]] * 2)
 
 
-FORWARDS = {"ragged_prompts": _forward}
+def _forward_few_tokens():
+    """1 x 2 latents: 2 tokens, fewer than 3 ranks, with ragged prompts."""
+    g = gen()
+    return tm.tiny_qwenimage_transformer(), dict(
+        hidden_states=torch.randn(2, 2, 16, generator=g), encoder_hidden_states=torch.randn(2, 8, 16, generator=g),
+        encoder_hidden_states_mask=ragged_mask([8, 3], 8), timestep=torch.tensor([0.5, 0.25]),
+        img_shapes=[[(1, 1, 2)]] * 2)
+
+FORWARDS = {"ragged_prompts": _forward, "few_tokens": Forward(_forward_few_tokens, tokens=FEW_TOKENS)}
 
 
 def _randomize_zeros(model, seed: int = 0):

@@ -3,7 +3,7 @@
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, gen, image, mask_image
+from families import FEW_TOKENS, Forward, Pipe, gen, image, mask_image
 
 
 def _forward():
@@ -13,7 +13,14 @@ def _forward():
         pooled_projections=torch.randn(2, 64, generator=g), timestep=torch.tensor([500, 250]))
 
 
-FORWARDS = {"": _forward}
+def _forward_few_tokens():
+    """1 x 2 latents: 2 tokens, fewer than 3 ranks (split at the patch embedding, inside the forward)."""
+    g = gen()
+    return tm.tiny_sd3_transformer(), dict(
+        hidden_states=torch.randn(2, 4, 1, 2, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+        pooled_projections=torch.randn(2, 64, generator=g), timestep=torch.tensor([500, 250]))
+
+FORWARDS = {"": _forward, "few_tokens": Forward(_forward_few_tokens, tokens=FEW_TOKENS)}
 
 
 def _vae(channels: int = 4, blocks: int = 1, seed: int = 0):

@@ -1,8 +1,11 @@
 """Wan 2.1 / 2.2: WanTransformer3DModel (text in cross-attention). Its own cases (T2V, I2V, Wan 2.2
-with two transformers, TI2V, VSA) are in tests/cases_wan.py and tests/cases_vsa.py."""
+with two transformers, TI2V, VSA) are in tests/cases_wan.py and tests/cases_vsa.py; here, a forward of
+fewer tokens than ranks."""
+
+import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, image
+from families import FEW_TOKENS, Forward, Pipe, gen, image
 
 COVERED_ELSEWHERE = {"WanPipeline": "tests/test_wan_parallel.py", "WanImageToVideoPipeline": "tests/test_wan_parallel.py"}
 
@@ -35,6 +38,15 @@ def _lucy_pipeline():
 
     return LucyEditPipeline(**_parts(in_channels=32), expand_timesteps=True)
 
+
+def _forward_few_tokens():
+    """One frame of 2 x 4 latents: 2 tokens, fewer than 3 ranks (text in cross-attention only)."""
+    g = gen()
+    return tm.tiny_wan_transformer(), dict(hidden_states=torch.randn(2, 16, 1, 2, 4, generator=g),
+                                           encoder_hidden_states=torch.randn(2, 8, tm.TINY_WAN["text_dim"], generator=g),
+                                           timestep=torch.tensor([500, 250]))
+
+FORWARDS = {"few_tokens": Forward(_forward_few_tokens, tokens=FEW_TOKENS)}
 
 PIPELINES = {
     # strength 0.7 of 3 steps runs 2.
