@@ -23,23 +23,30 @@ __all__ = ["CONTROLNET_RESIDUALS", "FAMILIES", "FamilySpec", "family_for_model",
 
 
 def _registry() -> tuple[FamilySpec, ...]:
+    from .bria import BRIA
     from .chroma import CHROMA
     from .cogvideox import COGVIDEOX
+    from .cogview3plus import COGVIEW3PLUS
     from .cogview4 import COGVIEW4
     from .cosmos import COSMOS
+    from .dit import DIT
     from .flux import FLUX
     from .flux2 import FLUX2
     from .helios import HELIOS
     from .hidream import HIDREAM
+    from .hunyuan_dit import HUNYUAN_DIT
     from .hunyuan_image import HUNYUAN_IMAGE
     from .hunyuan_video import HUNYUAN_VIDEO
     from .hunyuan_video15 import HUNYUAN_VIDEO15
     from .hunyuan_video_framepack import HUNYUAN_VIDEO_FRAMEPACK
     from .kandinsky5 import KANDINSKY5
+    from .longcat_image import LONGCAT_IMAGE
     from .ltx import LTX
     from .ltx2 import LTX2
     from .lumina2 import LUMINA2
     from .mochi import MOCHI
+    from .ovis_image import OVIS_IMAGE
+    from .pixart import PIXART
     from .qwenimage import QWENIMAGE
     from .qwenimage21 import QWENIMAGE21
     from .sana import SANA
@@ -53,7 +60,8 @@ def _registry() -> tuple[FamilySpec, ...]:
 
     return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
             HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21,
-            HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO)
+            HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE, BRIA, PIXART, HUNYUAN_DIT,
+            DIT, COGVIEW3PLUS)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

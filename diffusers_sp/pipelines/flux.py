@@ -31,6 +31,9 @@ _IMG_IDS = SplitByDims((ContextParallelInput(split_dim=0, expected_dims=2, split
 # Our plan, used when a model lacks ``_cp_plan`` (the 0.42 plan minus its text entries).
 _FLUX_PLAN = {"": {"hidden_states": SPLIT_TOKENS, "img_ids": ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)},
               "proj_out": GATHER_TOKENS}
+#: The plan of the models built like Flux with neither ``_cp_plan`` nor ControlNet inputs (LongCat-Image,
+#: Ovis-Image): the image tokens and their ids split at the model input, ``proj_out`` gathered.
+FLUX_LIKE_PLAN = {"": {"hidden_states": SPLIT_TOKENS, "img_ids": _IMG_IDS}, "proj_out": GATHER_TOKENS}
 #: The self-attention of Flux's dual-stream (joint) and single-stream blocks (Chroma's too).
 FLUX_ATTENTION = ("transformer_blocks.*.attn", "single_transformer_blocks.*.attn")
 #: The ControlNet residuals of Flux's forward (Chroma's too).
