@@ -169,14 +169,15 @@ def gather_tensor(state: SequenceState, x: torch.Tensor, dim: int) -> torch.Tens
 def split_value(state: SequenceState, value, spec, what: str = "a tensor"):
     """``value`` as this rank receives it under plan entry ``spec``: an entry of this module splits (or
     gathers) it itself, a tuple of entries applies one to each element of a tuple value (an optional
-    one passed as ``None`` stays), and a Diffusers ``ContextParallelInput`` goes to
-    :func:`split_tensor`."""
+    one passed as ``None`` stays; an element whose entry is ``None`` passes whole; entries nest, for
+    tuples of tuples such as Allegro's ``(tables, positions)``), and a Diffusers ``ContextParallelInput``
+    goes to :func:`split_tensor`."""
     if hasattr(spec, "split_value"):
         return spec.split_value(state, value, what)
     if isinstance(spec, (list, tuple)):
         if not isinstance(value, (list, tuple)):  # e.g. an optional RoPE tuple passed as None
             return value
-        return type(value)(split_tensor(state, v, s, what) for v, s in zip(value, spec))
+        return type(value)(v if s is None else split_value(state, v, s, what) for v, s in zip(value, spec))
     return split_tensor(state, value, spec, what)
 
 

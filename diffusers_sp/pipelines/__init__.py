@@ -23,13 +23,17 @@ __all__ = ["CONTROLNET_RESIDUALS", "FAMILIES", "FamilySpec", "family_for_model",
 
 
 def _registry() -> tuple[FamilySpec, ...]:
+    from .allegro import ALLEGRO
+    from .auraflow import AURAFLOW
     from .bria import BRIA
+    from .bria_fibo import BRIA_FIBO
     from .chroma import CHROMA
     from .cogvideox import COGVIDEOX
     from .cogview3plus import COGVIEW3PLUS
     from .cogview4 import COGVIEW4
     from .cosmos import COSMOS
     from .dit import DIT
+    from .easyanimate import EASYANIMATE
     from .flux import FLUX
     from .flux2 import FLUX2
     from .helios import HELIOS
@@ -40,6 +44,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .hunyuan_video15 import HUNYUAN_VIDEO15
     from .hunyuan_video_framepack import HUNYUAN_VIDEO_FRAMEPACK
     from .kandinsky5 import KANDINSKY5
+    from .krea2 import KREA2
     from .longcat_image import LONGCAT_IMAGE
     from .ltx import LTX
     from .ltx2 import LTX2
@@ -47,6 +52,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .mochi import MOCHI
     from .ovis_image import OVIS_IMAGE
     from .pixart import PIXART
+    from .prx import PRX
     from .qwenimage import QWENIMAGE
     from .qwenimage21 import QWENIMAGE21
     from .sana import SANA
@@ -61,7 +67,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
             HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21,
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE, BRIA, PIXART, HUNYUAN_DIT,
-            DIT, COGVIEW3PLUS)
+            DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

@@ -157,8 +157,11 @@ def _heads(module) -> int | None:
 
 
 def _head_dim(module) -> int:
-    """Head dimension of a Diffusers attention module: query width over heads (the query projection is
-    ``to_q``, ``to_query`` in ``Kandinsky5Attention``, or the fused ``to_qkv``)."""
+    """Head dimension of a Diffusers attention module: its ``head_dim`` where it keeps one (PRX's fused
+    ``img_qkv_proj``), else query width over heads (the query projection is ``to_q``, ``to_query`` in
+    ``Kandinsky5Attention``, or the fused ``to_qkv``)."""
+    if isinstance(getattr(module, "head_dim", None), int):
+        return module.head_dim
     to_q = getattr(module, "to_q", None) or getattr(module, "to_query", None) or getattr(module, "to_qkv", None)
     width = to_q.out_features // (3 if to_q is getattr(module, "to_qkv", None) else 1)
     return width // int(_heads(module))
