@@ -59,6 +59,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .sana_video import SANA_VIDEO
     from .sd3 import SD3
     from .skyreels_v2 import SKYREELS_V2
+    from .stable_audio import STABLE_AUDIO
     from .wan import WAN
     from .wan_animate import WAN_ANIMATE
     from .wan_vace import WAN_VACE
@@ -67,7 +68,8 @@ def _registry() -> tuple[FamilySpec, ...]:
     return (WAN, HUNYUAN_VIDEO, COGVIDEOX, LTX, LTX2, MOCHI, FLUX, SD3, QWENIMAGE, FLUX2, HELIOS, LUMINA2, COGVIEW4,
             HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21,
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE, BRIA, PIXART, HUNYUAN_DIT,
-            DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX)
+            DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
+            STABLE_AUDIO)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
