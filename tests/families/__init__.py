@@ -140,6 +140,16 @@ def kl_vae(blocks: int, latent_channels: int, **config):
                          latent_channels=latent_channels, norm_num_groups=1, **config).eval()
 
 
+def flux_ids(height: int = 5, width: int = 7):
+    """``[height * width, 3]`` image position ids ``(0, row, column)`` as Flux-style pipelines make them (the
+    ``img_ids`` of a ``height`` x ``width`` token grid)."""
+    import torch
+
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(float(height)), torch.arange(float(width)),
+                                     indexing="ij"), -1)
+    return ids.reshape(-1, 3)
+
+
 def gen(seed: int = 1):
     """A CPU generator for the inputs of a case."""
     import torch

@@ -3,7 +3,7 @@
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, gen
+from families import Pipe, flux_ids, gen
 
 
 def _transformer(seed: int = 0):
@@ -17,14 +17,9 @@ def _transformer(seed: int = 0):
                                   axes_dims_rope=[4, 4, 8]).eval()
 
 
-def _ids():
-    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(5.0), torch.arange(7.0), indexing="ij"), -1)
-    return ids.reshape(-1, 3)
-
-
 def _inputs(g, controlnet: bool = False):
     kwargs = dict(hidden_states=torch.randn(2, 35, 4, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
-                  timestep=torch.tensor([500.0, 250.0]), img_ids=_ids(), txt_ids=torch.zeros(7, 3))
+                  timestep=torch.tensor([500.0, 250.0]), img_ids=flux_ids(), txt_ids=torch.zeros(7, 3))
     if controlnet:  # one residual per dual-stream block, added to the image tokens
         # (Diffusers 0.42's single-stream residuals fail in one process too: the forward slices the text
         # off image-only states.)

@@ -4,7 +4,7 @@ mask when a prompt is padded; one text-encoder layer mixed into the text per blo
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, gen, image
+from families import Pipe, flux_ids, gen, image
 
 #: The tiny SmolLM3's width; the pipelines join its last two layers (2 x 16) into the prompt embedding.
 _TEXT = 16
@@ -26,13 +26,12 @@ def _forward():
     """5 x 7 image tokens; two prompts of 7 text tokens, the second padded after 4: the pipeline's key padding
     mask ``[B, 1, 1, T + S]`` over the full sequence."""
     g = gen()
-    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(5.0), torch.arange(7.0), indexing="ij"), -1)
     text = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
     mask = torch.cat([text, torch.ones(2, 35, dtype=torch.bool)], dim=1)[:, None, None, :]
     return _transformer(), dict(
         hidden_states=torch.randn(2, 35, 64, generator=g), encoder_hidden_states=torch.randn(2, 7, 2 * _TEXT, generator=g),
         text_encoder_layers=[torch.randn(2, 7, _TEXT, generator=g) for _ in range(2)], timestep=torch.tensor([0.5, 0.25]),
-        img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(7, 3), joint_attention_kwargs={"attention_mask": mask})
+        img_ids=flux_ids(), txt_ids=torch.zeros(7, 3), joint_attention_kwargs={"attention_mask": mask})
 
 
 FORWARDS = {"ragged_prompts": _forward}

@@ -3,7 +3,7 @@
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, gen
+from families import Pipe, flux_ids, gen
 
 
 def _transformer(seed: int = 0):
@@ -19,10 +19,9 @@ def _transformer(seed: int = 0):
 
 def _forward():
     g = gen()
-    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(5.0), torch.arange(7.0), indexing="ij"), -1)
     return _transformer(), dict(hidden_states=torch.randn(2, 35, 4, generator=g),
                                 encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
-                                timestep=torch.tensor([0.5, 0.25]), img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(7, 3))
+                                timestep=torch.tensor([0.5, 0.25]), img_ids=flux_ids(), txt_ids=torch.zeros(7, 3))
 
 
 FORWARDS = {"": _forward}
