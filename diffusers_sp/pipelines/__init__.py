@@ -50,6 +50,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .ltx2 import LTX2
     from .lumina2 import LUMINA2
     from .mochi import MOCHI
+    from .nucleusmoe_image import NUCLEUSMOE_IMAGE
     from .ovis_image import OVIS_IMAGE
     from .pixart import PIXART
     from .prx import PRX
@@ -69,7 +70,7 @@ def _registry() -> tuple[FamilySpec, ...]:
             HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21,
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE, BRIA, PIXART, HUNYUAN_DIT,
             DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
-            STABLE_AUDIO)
+            STABLE_AUDIO, NUCLEUSMOE_IMAGE)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

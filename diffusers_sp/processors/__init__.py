@@ -2,7 +2,7 @@
 
 from .base import SequenceParallelAttnProcessor
 from .hybrid import HybridAttnProcessor
-from .kv_gather import KVGatherAttnProcessor, PrefixKVAttnProcessor, SplitKVAttnProcessor
+from .kv_gather import KVGatherAttnProcessor, PrefixKVAttnProcessor, SplitKVAttnProcessor, SuffixKVAttnProcessor
 from .linear import LinearAttnProcessor
 from .ulysses import UlyssesAttnProcessor
 from .vsa import VideoSparseAttnProcessor
@@ -11,4 +11,5 @@ PROCESSORS = {"ulysses": UlyssesAttnProcessor, "kv_gather": KVGatherAttnProcesso
               "vsa": VideoSparseAttnProcessor}
 
 __all__ = ["SequenceParallelAttnProcessor", "UlyssesAttnProcessor", "KVGatherAttnProcessor", "VideoSparseAttnProcessor",
-           "HybridAttnProcessor", "SplitKVAttnProcessor", "LinearAttnProcessor", "PrefixKVAttnProcessor", "PROCESSORS"]
+           "HybridAttnProcessor", "SplitKVAttnProcessor", "LinearAttnProcessor", "PrefixKVAttnProcessor",
+           "SuffixKVAttnProcessor", "PROCESSORS"]

@@ -368,6 +368,8 @@ class PrefixKVAttnProcessor(KVGatherAttnProcessor):
     """
 
     supports_kv_first = False
+    #: Where the whole keys of a split-query call sit: before the shard's keys (``"prefix"``) or after them.
+    key_layout = "prefix"
 
     def _run_parallel(self, attn, *args, **kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -392,9 +394,18 @@ class PrefixKVAttnProcessor(KVGatherAttnProcessor):
             return super()._attend(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         self._check_call(name, query, key, dropout_p, is_causal, enable_gqa)
-        prefix = k_len - local  # whole keys before this rank's shard
+        whole_keys = k_len - local  # whole keys beside this rank's shard, on the side of key_layout
         mask = normalize_key_padding_mask(attn_mask, query.shape[0], query.shape[1], k_len, name)
         self.state.group.check_device(query.device)
-        mask = gather_key_padding_mask(mask, prefix, "prefix", sizes, self.state.group)
-        pending = start_kv_gather(key, value, sizes, self.state.group, text_len=prefix, text_layout="prefix")
+        mask = gather_key_padding_mask(mask, whole_keys, self.key_layout, sizes, self.state.group)
+        pending = start_kv_gather(key, value, sizes, self.state.group, text_len=whole_keys, text_layout=self.key_layout)
         return finish_kv_gather(pending, query, scale=scale, kernel=self.kernel, key_mask=mask)
+
+
+class SuffixKVAttnProcessor(PrefixKVAttnProcessor):
+    """:class:`PrefixKVAttnProcessor` for calls whose keys are ``[this rank's shard; W_k whole]``: each rank's
+    image queries over its image keys followed by the text's (NucleusMoE-Image joins ``[image; text]`` keys
+    and values for image-only queries). The same K/V-gather, the whole keys joined after the gathered
+    shards; a key padding mask over the call's keys is gathered with them."""
+
+    key_layout = "suffix"
