@@ -298,6 +298,24 @@ class TailCount:
 TEXT_SIDES = ("prefix", "suffix")
 
 
+class WholeLength:
+    """A plan entry for an integer argument that is the length of this rank's joined sequence, ``W + S_r``
+    (whole tokens and the rank's shard), where the module needs the whole sequence's, ``W + S``: e.g. the
+    ``seq_len`` Stable Audio 3's rotary embedding builds its table for, which a
+    :class:`JointSequence` output entry then splits like the tokens. The argument must reach the module
+    after the sequence was split in the same forward."""
+
+    #: A length, not tokens: passing it does not mark the forward's tokens as split.
+    splits_tokens = False
+
+    def split_value(self, state: SequenceState, length, what: str):
+        """``length`` less this rank's shard plus the whole sequence; non-ints pass as they are."""
+        if not isinstance(length, int) or isinstance(length, bool):
+            return length
+        sizes = _counted_shards(state, what, "the split").shard_sizes()
+        return length - sizes[state.group.rank] + state.seq_len
+
+
 @dataclass(frozen=True)
 class JointSequence:
     """A plan entry for a tensor that joins replicated text entries to the split sequence along one

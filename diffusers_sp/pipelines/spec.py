@@ -157,11 +157,13 @@ def _heads(module) -> int | None:
 
 
 def _head_dim(module) -> int:
-    """Head dimension of a Diffusers attention module: its ``head_dim`` where it keeps one (PRX's fused
-    ``img_qkv_proj``), else query width over heads (the query projection is ``to_q``, ``to_query`` in
-    ``Kandinsky5Attention``, or the fused ``to_qkv``)."""
-    if isinstance(getattr(module, "head_dim", None), int):
-        return module.head_dim
+    """Head dimension of a Diffusers attention module: its ``head_dim`` or ``dim_heads`` where it keeps one
+    (PRX's fused ``img_qkv_proj``; Stable Audio 3's differential ``to_qkv`` of five parts), else query width
+    over heads (the query projection is ``to_q``, ``to_query`` in ``Kandinsky5Attention``, or the fused
+    ``to_qkv``)."""
+    for attribute in ("head_dim", "dim_heads"):
+        if isinstance(getattr(module, attribute, None), int):
+            return getattr(module, attribute)
     to_q = getattr(module, "to_q", None) or getattr(module, "to_query", None) or getattr(module, "to_qkv", None)
     width = to_q.out_features // (3 if to_q is getattr(module, "to_qkv", None) else 1)
     return width // int(_heads(module))
