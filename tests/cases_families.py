@@ -36,7 +36,9 @@ def _ragged_mask(lengths, total):
 def _model_output(out) -> torch.Tensor:
     """A transformer's output to compare: ``sample``, followed by ``audio_sample`` where the model returns
     one (LTX-2's audio stream, computed whole on every rank), flattened and joined; a ``sample`` that is a
-    list of per-sample tensors (Z-Image's) is stacked."""
+    list of per-sample tensors (Z-Image's) is stacked; a model that returns a tensor (aMUSEd's logits), that."""
+    if torch.is_tensor(out):
+        return out
     sample = out.sample
     if isinstance(sample, (list, tuple)):
         sample = torch.stack(list(sample))
