@@ -132,6 +132,17 @@ def test_unsupported_target_lists_what_runs():
         assert name in str(exc.value)
 
 
+def test_transformer2d_runs_with_token_ids_only():
+    """Diffusers' generic Transformer2DModel runs as VQ-Diffusion's (token-id inputs); with continuous inputs
+    it is refused in one line, before any collective."""
+    from diffusers import Transformer2DModel
+
+    model = Transformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
+                               norm_num_groups=2)
+    with pytest.raises(SequenceParallelConfigError, match="with continuous or patched inputs is not parallelized"):
+        enable_sequence_parallel(model, mode="kv_gather")
+
+
 def test_pipelines_accepted_by_what_they_hold():
     """A pipeline class no family names runs when its transformer does (FluxKontext holds a Flux
     transformer); one holding a transformer nothing runs is refused, naming the component."""

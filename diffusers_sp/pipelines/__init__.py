@@ -63,6 +63,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .skyreels_v2 import SKYREELS_V2
     from .stable_audio import STABLE_AUDIO
     from .stable_audio3 import STABLE_AUDIO3
+    from .vq_diffusion import VQ_DIFFUSION
     from .wan import WAN
     from .wan_animate import WAN_ANIMATE
     from .wan_vace import WAN_VACE
@@ -72,7 +73,8 @@ def _registry() -> tuple[FamilySpec, ...]:
             HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21,
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE, BRIA, PIXART, HUNYUAN_DIT,
             DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
-            STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED)
+            STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED,
+            VQ_DIFFUSION)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
