@@ -298,6 +298,33 @@ class TailCount:
 TEXT_SIDES = ("prefix", "suffix")
 
 
+class SplitBatchFolded:
+    """A plan entry for a tensor whose first dimension folds the batch and the split sequence, ``[B * S,
+    ...]`` batch-major (Latte's ``timestep`` for its temporal blocks: one row per sample and spatial token):
+    each rank keeps its shard of every sample's rows, ``[B * S_r, ...]``, in the order of its tokens. The
+    tensor must reach the module after the sequence was split in the same forward; another first extent
+    than a multiple of ``S`` passes whole."""
+
+    def split_value(self, state: SequenceState, x, what: str):
+        """This rank's rows of ``x``; non-tensors pass as they are."""
+        if not torch.is_tensor(x) or x.ndim < 1:
+            return x
+        length = _counted_shards(state, what, "the split").seq_len
+        if x.shape[0] % length:
+            return x
+        folded = x.unflatten(0, (x.shape[0] // length, length))
+        return split_tensor(state, folded, _SplitDim(1), what).flatten(0, 1)
+
+
+@dataclass(frozen=True)
+class _SplitDim:
+    """A split along ``split_dim`` of a tensor of any rank (the fields :func:`split_tensor` reads of a
+    Diffusers ``ContextParallelInput``)."""
+
+    split_dim: int
+    expected_dims: int | None = None
+
+
 class WholeLength:
     """A plan entry for an integer argument that is the length of this rank's joined sequence, ``W + S_r``
     (whole tokens and the rank's shard), where the module needs the whole sequence's, ``W + S``: e.g. the

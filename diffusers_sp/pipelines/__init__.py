@@ -46,6 +46,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .hunyuan_video_framepack import HUNYUAN_VIDEO_FRAMEPACK
     from .kandinsky5 import KANDINSKY5
     from .krea2 import KREA2
+    from .latte import LATTE
     from .longcat_image import LONGCAT_IMAGE
     from .ltx import LTX
     from .ltx2 import LTX2
@@ -74,7 +75,7 @@ def _registry() -> tuple[FamilySpec, ...]:
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE, BRIA, PIXART, HUNYUAN_DIT,
             DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
             STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED,
-            VQ_DIFFUSION)
+            VQ_DIFFUSION, LATTE)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
