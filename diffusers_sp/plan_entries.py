@@ -159,21 +159,27 @@ def split_tensor(state: SequenceState, x, spec, what: str = "a tensor"):
 
 def gather_tensor(state: SequenceState, x: torch.Tensor, dim: int) -> torch.Tensor:
     """This rank's shard ``x`` all-gathered along ``dim`` to the full sequence, in the model's token
-    order (a :class:`~diffusers_sp.shards.TokenOrder` undone)."""
+    order (a :class:`~diffusers_sp.shards.TokenOrder` undone), contiguous as the module's own output was:
+    the model may ``view`` it (AnyFlow's unpatchify), and a gather along an inner dim is a strided view."""
     full = all_gather_along(x, dim, state.shard_sizes(), state.group)
     if state.order is not None:
         full = full.index_select(dim % full.ndim, state.order.inverse.to(full.device))
-    return full
+    return full.contiguous()
 
 
 def split_value(state: SequenceState, value, spec, what: str = "a tensor"):
     """``value`` as this rank receives it under plan entry ``spec``: an entry of this module splits (or
     gathers) it itself, a tuple of entries applies one to each element of a tuple value (an optional
     one passed as ``None`` stays; an element whose entry is ``None`` passes whole; entries nest, for
-    tuples of tuples such as Allegro's ``(tables, positions)``), and a Diffusers ``ContextParallelInput``
-    goes to :func:`split_tensor`."""
+    tuples of tuples such as Allegro's ``(tables, positions)``), a dict of entries applies one to each
+    value of a dict under the same key (AnyFlow's ``{"query": table, "key": table}``; other keys pass), and
+    a Diffusers ``ContextParallelInput`` goes to :func:`split_tensor`."""
     if hasattr(spec, "split_value"):
         return spec.split_value(state, value, what)
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            return value
+        return {k: v if spec.get(k) is None else split_value(state, v, spec[k], f"{what}[{k!r}]") for k, v in value.items()}
     if isinstance(spec, (list, tuple)):
         if not isinstance(value, (list, tuple)):  # e.g. an optional RoPE tuple passed as None
             return value

@@ -25,6 +25,7 @@ __all__ = ["CONTROLNET_RESIDUALS", "FAMILIES", "FamilySpec", "family_for_model",
 def _registry() -> tuple[FamilySpec, ...]:
     from .allegro import ALLEGRO
     from .amused import AMUSED
+    from .anyflow import ANYFLOW
     from .auraflow import AURAFLOW
     from .bria import BRIA
     from .bria_fibo import BRIA_FIBO
@@ -75,7 +76,7 @@ def _registry() -> tuple[FamilySpec, ...]:
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE, BRIA, PIXART, HUNYUAN_DIT,
             DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
             STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED,
-            VQ_DIFFUSION, LATTE)
+            VQ_DIFFUSION, LATTE, ANYFLOW)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
