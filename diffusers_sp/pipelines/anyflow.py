@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput
 
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, SPLIT_TOKENS_OUT, FamilySpec
 
 _TABLE = ContextParallelInput(split_dim=2, expected_dims=4, split_output=False)
 
 ANYFLOW = FamilySpec(
     name="anyflow", model_classes=("AnyFlowTransformer3DModel",), is_video=True,
-    sharding_plan={"condition_embedder": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True),
-                                          1: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    sharding_plan={"condition_embedder": {0: SPLIT_TOKENS_OUT,
+                                          1: SPLIT_TOKENS_OUT},
                    "blocks.0": {"hidden_states": SPLIT_TOKENS},
                    "blocks.*": {"rotary_emb": {"query": _TABLE, "key": _TABLE}}, "proj_out": GATHER_TOKENS},
     attention_modules=("blocks.*.attn1",), cfg_strategy="batch",

@@ -12,13 +12,11 @@ after it). The registers, text and timestep stay whole.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
-from .spec import GATHER_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS_OUT, FamilySpec
 
 AURAFLOW = FamilySpec(
     name="auraflow", model_classes=("AuraFlowTransformer2DModel",), is_video=False,
-    sharding_plan={"pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    sharding_plan={"pos_embed": {0: SPLIT_TOKENS_OUT},
                    "proj_out": GATHER_TOKENS},
     attention_modules=("joint_transformer_blocks.*.attn", "single_transformer_blocks.*.attn"), joint_text="prefix",
     cfg_strategy="batch", note="register tokens and text first in self-attention, no text mask")

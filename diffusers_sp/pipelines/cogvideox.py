@@ -14,15 +14,11 @@ dim 1); the RoPE tables the pipeline passes as ``image_rotary_emb`` (``([S, D], 
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
-
-_ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)
+from .spec import GATHER_TOKENS, SPLIT_ROWS, SPLIT_TOKENS, FamilySpec
 
 COGVIDEOX = FamilySpec(
     name="cogvideox", model_classes=("CogVideoXTransformer3DModel",), is_video=True,
-    sharding_plan={"": {"image_rotary_emb": [_ROPE, _ROPE]}, "transformer_blocks.0": {"hidden_states": SPLIT_TOKENS},
+    sharding_plan={"": {"image_rotary_emb": [SPLIT_ROWS, SPLIT_ROWS]}, "transformer_blocks.0": {"hidden_states": SPLIT_TOKENS},
                    "proj_out": GATHER_TOKENS},
     attention_modules=("transformer_blocks.*.attn1",), joint_text="prefix", cfg_strategy="batch",
     note="text first in self-attention; 2b's 30 heads split unevenly by Ulysses at 4 ranks")

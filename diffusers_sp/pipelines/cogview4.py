@@ -21,16 +21,12 @@ latents with the latents along the channels before the patch embedding, so it ne
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
-from .spec import GATHER_TOKENS, FamilySpec
-
-_ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+from .spec import GATHER_TOKENS, SPLIT_ROWS, SPLIT_ROWS_OUT, SPLIT_TOKENS_OUT, FamilySpec
 
 COGVIEW4 = FamilySpec(
     name="cogview4", model_classes=("CogView4Transformer2DModel",), is_video=False,
-    sharding_plan={"": {"image_rotary_emb": [ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)] * 2},
-                   "patch_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
-                   "rope": {0: _ROPE, 1: _ROPE}, "proj_out": GATHER_TOKENS},
+    sharding_plan={"": {"image_rotary_emb": [SPLIT_ROWS] * 2},
+                   "patch_embed": {0: SPLIT_TOKENS_OUT},
+                   "rope": {0: SPLIT_ROWS_OUT, 1: SPLIT_ROWS_OUT}, "proj_out": GATHER_TOKENS},
     attention_modules=("transformer_blocks.*.attn1",), joint_text="prefix", text_mask=True, cfg_strategy="two_call",
     note="text first; its padding mask over queries and keys applied exactly")

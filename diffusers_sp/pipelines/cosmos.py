@@ -23,13 +23,10 @@ over the patch size, so ``mode="vsa"`` runs (tokens are in raster order, frames 
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
+from .spec import GATHER_TOKENS, SPLIT_ROWS_OUT, SPLIT_TOKENS, SPLIT_TOKENS_OUT, FamilySpec, latent_grid_of
 
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, latent_grid_of
-
-_TABLE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
 _PLAN = {
-    "rope": {0: _TABLE, 1: _TABLE},
+    "rope": {0: SPLIT_ROWS_OUT, 1: SPLIT_ROWS_OUT},
     "transformer_blocks.0": {"hidden_states": SPLIT_TOKENS},
     "transformer_blocks.*": {"embedded_timestep": SPLIT_TOKENS, "temb": SPLIT_TOKENS, "controlnet_residual": SPLIT_TOKENS},
     "norm_out": {"embedded_timestep": SPLIT_TOKENS, "temb": SPLIT_TOKENS},
@@ -41,7 +38,7 @@ def cosmos_sharding_plan(model) -> dict:
     """The explicit plan of the module docstring, with the learnable position embedding where the model has one."""
     plan = dict(_PLAN)
     if model.learnable_pos_embed is not None:
-        plan["learnable_pos_embed"] = {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)}
+        plan["learnable_pos_embed"] = {0: SPLIT_TOKENS_OUT}
     return plan
 
 

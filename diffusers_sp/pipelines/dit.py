@@ -12,13 +12,11 @@ null class).
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
-from .spec import GATHER_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS_OUT, FamilySpec
 
 DIT = FamilySpec(
     name="dit", model_classes=("DiTTransformer2DModel",), is_video=False,
-    sharding_plan={"pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    sharding_plan={"pos_embed": {0: SPLIT_TOKENS_OUT},
                    "proj_out_2": GATHER_TOKENS},
     attention_modules=("transformer_blocks.*.attn1",), cfg_strategy="batch",
     note="class-conditional, no text")

@@ -14,15 +14,11 @@ unpatchifies after it).
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
-
-_ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+from .spec import GATHER_TOKENS, SPLIT_ROWS_OUT, SPLIT_TOKENS, FamilySpec
 
 EASYANIMATE = FamilySpec(
     name="easyanimate", model_classes=("EasyAnimateTransformer3DModel",), is_video=True,
-    sharding_plan={"rope_embedding": {0: _ROPE, 1: _ROPE}, "transformer_blocks.0": {"hidden_states": SPLIT_TOKENS},
+    sharding_plan={"rope_embedding": {0: SPLIT_ROWS_OUT, 1: SPLIT_ROWS_OUT}, "transformer_blocks.0": {"hidden_states": SPLIT_TOKENS},
                    "proj_out": GATHER_TOKENS},
     attention_modules=("transformer_blocks.*.attn1",), joint_text="prefix", cfg_strategy="batch",
     note="text first in self-attention; RoPE tables split; inpaint and control latents joined before the split")

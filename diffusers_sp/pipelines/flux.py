@@ -23,13 +23,13 @@ from __future__ import annotations
 from diffusers.models._modeling_parallel import ContextParallelInput
 
 from ..plan_entries import SplitByDims
-from .spec import CONTROLNET_RESIDUALS, GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, model_plan
+from .spec import CONTROLNET_RESIDUALS, GATHER_TOKENS, SPLIT_ROWS, SPLIT_TOKENS, FamilySpec, model_plan
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "txt_ids")}
-_IMG_IDS = SplitByDims((ContextParallelInput(split_dim=0, expected_dims=2, split_output=False),
+_IMG_IDS = SplitByDims((SPLIT_ROWS,
                         ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)))
 # Our plan, used when a model lacks ``_cp_plan`` (the 0.42 plan minus its text entries).
-_FLUX_PLAN = {"": {"hidden_states": SPLIT_TOKENS, "img_ids": ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)},
+_FLUX_PLAN = {"": {"hidden_states": SPLIT_TOKENS, "img_ids": SPLIT_ROWS},
               "proj_out": GATHER_TOKENS}
 #: The plan of the models built like Flux with neither ``_cp_plan`` nor ControlNet inputs (LongCat-Image,
 #: Ovis-Image): the image tokens and their ids split at the model input, ``proj_out`` gathered.

@@ -28,12 +28,12 @@ from __future__ import annotations
 from diffusers.models._modeling_parallel import ContextParallelInput
 
 from ..plan_entries import SplitByDims
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, model_plan
+from .spec import GATHER_TOKENS, SPLIT_ROWS, SPLIT_TOKENS, FamilySpec, model_plan
 from .cp_plan import marked_attention_modules
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "txt_ids")}
 _IMG_IDS = SplitByDims((ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
-                        ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)))
+                        SPLIT_ROWS))
 # The 0.42 plan minus its text entries, used when a model lacks ``_cp_plan``.
 _FLUX2_PLAN = {"": {"hidden_states": SPLIT_TOKENS, "img_ids": _IMG_IDS}, "proj_out": GATHER_TOKENS}
 

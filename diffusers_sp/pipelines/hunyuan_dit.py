@@ -18,15 +18,11 @@ is the value projection, per token).
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
-from .spec import CONTROLNET_RESIDUALS, GATHER_TOKENS, FamilySpec
-
-_ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)
+from .spec import CONTROLNET_RESIDUALS, GATHER_TOKENS, SPLIT_ROWS, SPLIT_TOKENS_OUT, FamilySpec
 
 _HUNYUAN_DIT_PLAN = {
-    "": {"image_rotary_emb": [_ROPE, _ROPE], "controlnet_block_samples": CONTROLNET_RESIDUALS},
-    "pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    "": {"image_rotary_emb": [SPLIT_ROWS, SPLIT_ROWS], "controlnet_block_samples": CONTROLNET_RESIDUALS},
+    "pos_embed": {0: SPLIT_TOKENS_OUT},
     "proj_out": GATHER_TOKENS,
 }
 

@@ -19,16 +19,12 @@ latents) and the RoPE tables ``rope`` returns (``(cos, sin)``, ``[S, D]``, dim 0
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
-from .spec import GATHER_TOKENS, FamilySpec
-
-_ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+from .spec import GATHER_TOKENS, SPLIT_ROWS_OUT, SPLIT_TOKENS_OUT, FamilySpec
 
 HUNYUAN_IMAGE = FamilySpec(
     name="hunyuan_image", model_classes=("HunyuanImageTransformer2DModel",), is_video=False,
-    sharding_plan={"x_embedder": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
-                   "rope": {0: _ROPE, 1: _ROPE}, "proj_out": GATHER_TOKENS},
+    sharding_plan={"x_embedder": {0: SPLIT_TOKENS_OUT},
+                   "rope": {0: SPLIT_ROWS_OUT, 1: SPLIT_ROWS_OUT}, "proj_out": GATHER_TOKENS},
     attention_modules=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
     joint_text="suffix", text_mask=True, attention_call="dispatch",
     # With a guider, the pipelines make the conditional and the unconditional prediction as two calls

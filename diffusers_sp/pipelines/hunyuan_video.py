@@ -23,16 +23,13 @@ and the blocks' slicing then selects exactly this rank's first-frame tokens.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
 from ..plan_entries import PrefixCount
 from .flux import FLUX_ATTENTION
-from .spec import GATHER_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_ROWS_OUT, SPLIT_TOKENS_OUT, FamilySpec
 
-_ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
 _HUNYUAN_PLAN = {
-    "x_embedder": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
-    "rope": {0: _ROPE, 1: _ROPE},
+    "x_embedder": {0: SPLIT_TOKENS_OUT},
+    "rope": {0: SPLIT_ROWS_OUT, 1: SPLIT_ROWS_OUT},
     "proj_out": GATHER_TOKENS,
 }
 # image_condition_type="token_replace": the first frame's token count each block receives.

@@ -19,15 +19,11 @@ The image-to-video pipeline joins its image latents and mask along the channels.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
-
-_ROPE = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+from .spec import GATHER_TOKENS, SPLIT_ROWS_OUT, SPLIT_TOKENS, FamilySpec
 
 HUNYUAN_VIDEO15 = FamilySpec(
     name="hunyuan_video15", model_classes=("HunyuanVideo15Transformer3DModel",), is_video=True,
-    sharding_plan={"transformer_blocks.0": {"hidden_states": SPLIT_TOKENS}, "rope": {0: _ROPE, 1: _ROPE},
+    sharding_plan={"transformer_blocks.0": {"hidden_states": SPLIT_TOKENS}, "rope": {0: SPLIT_ROWS_OUT, 1: SPLIT_ROWS_OUT},
                    "proj_out": GATHER_TOKENS},
     attention_modules=("transformer_blocks.*.attn",), joint_text="suffix", text_mask=True, attention_call="dispatch",
     cfg_strategy="two_call", note="text after the video in every block; its outer-product text mask as a key padding mask")

@@ -30,9 +30,9 @@ from diffusers.models._modeling_parallel import ContextParallelInput
 from ..plan_entries import JointSequence
 from ..errors import SequenceParallelConfigError
 from .flux import FLUX_ATTENTION
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_ROWS, SPLIT_TOKENS, FamilySpec
 
-_ROPE = [ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)] * 2
+_ROPE = [SPLIT_ROWS] * 2
 # [B, 1, 1, S + T]: the video's keys, then the text's (after the RoPE split in the same entry, which sets S).
 _MASK = JointSequence(ContextParallelInput(split_dim=3, expected_dims=4, split_output=False), text="suffix")
 # A block returns (hidden_states, encoder_hidden_states): the first is gathered, the text stays.

@@ -16,12 +16,10 @@ single-stream blocks' attention is wrapped (``text_fusion``'s is over the text a
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
 from ..plan_entries import JointSequence
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_ROWS, SPLIT_TOKENS, FamilySpec
 
-_POSITION_IDS = JointSequence(ContextParallelInput(split_dim=0, expected_dims=2, split_output=False), text="prefix")
+_POSITION_IDS = JointSequence(SPLIT_ROWS, text="prefix")
 
 KREA2 = FamilySpec(
     name="krea2", model_classes=("Krea2Transformer2DModel",), is_video=False,

@@ -14,14 +14,12 @@ C]``, dim 1), the temporal blocks' ``timestep``; gather ``proj_out`` (the model 
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
 from ..plan_entries import SplitBatchFolded
-from .spec import GATHER_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS_OUT, FamilySpec
 
 LATTE = FamilySpec(
     name="latte", model_classes=("LatteTransformer3DModel",), is_video=True,
-    sharding_plan={"pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    sharding_plan={"pos_embed": {0: SPLIT_TOKENS_OUT},
                    "temporal_transformer_blocks.*": {"timestep": SplitBatchFolded()}, "proj_out": GATHER_TOKENS},
     attention_modules=("transformer_blocks.*.attn1",), cfg_strategy="batch",
     note="spatial tokens split; temporal attention local (every rank holds every frame of its tokens)")

@@ -20,13 +20,13 @@ from __future__ import annotations
 from diffusers.models._modeling_parallel import ContextParallelInput
 
 from ..plan_entries import SplitByDims
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, model_plan
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, SPLIT_TOKENS_OUT, FamilySpec, model_plan
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "encoder_attention_mask")}
 # [B, S] or [B, S, 1] per token (the model flattens either to B x S timesteps); [B] has neither layout.
 _TIMESTEP = {"timestep": SplitByDims((ContextParallelInput(split_dim=1, expected_dims=2, split_output=False),
                                       ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)))}
-_LTX_ROPE = ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)
+_LTX_ROPE = SPLIT_TOKENS_OUT
 _LTX_PLAN = {"": {"hidden_states": SPLIT_TOKENS}, "rope": {0: _LTX_ROPE, 1: _LTX_ROPE}, "proj_out": GATHER_TOKENS}
 
 

@@ -45,11 +45,11 @@ from __future__ import annotations
 from diffusers.models._modeling_parallel import ContextParallelInput
 
 from ..plan_entries import SplitByDims
-from .spec import FamilySpec, plan_without
+from .spec import SPLIT_TOKENS_OUT, FamilySpec, plan_without
 
 _TEXT_ENTRIES = {"": ("encoder_hidden_states", "encoder_attention_mask")}
 #: A RoPE table ``(cos, sin)`` of the video tokens, in either layout.
-_VIDEO_ROPE_TABLE = SplitByDims((ContextParallelInput(split_dim=1, expected_dims=3, split_output=True),
+_VIDEO_ROPE_TABLE = SplitByDims((SPLIT_TOKENS_OUT,
                                  ContextParallelInput(split_dim=2, expected_dims=4, split_output=True)))
 _VIDEO_ROPE = {0: _VIDEO_ROPE_TABLE, 1: _VIDEO_ROPE_TABLE}
 _PER_TOKEN = {

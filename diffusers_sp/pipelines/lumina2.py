@@ -33,7 +33,7 @@ from diffusers.hooks import ModelHook
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
 from ..plan_entries import JointSequence
-from .spec import FamilySpec
+from .spec import SPLIT_TOKENS_OUT, FamilySpec
 
 #: ``SequenceState.extra`` key of the current forward's joint key padding mask (``None``: no padding).
 _MASK = "lumina2_joint_mask"
@@ -49,14 +49,14 @@ def lumina2_sharding_plan(model) -> dict:
     ``img_freqs`` is split even without refiner blocks: its split sets the image length ``S`` of the
     forward, which the joint entries read their caption length from (``n - S``)."""
     plan = {
-        "rope_embedder": {2: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+        "rope_embedder": {2: SPLIT_TOKENS_OUT},
         "layers.0": {"hidden_states": JointSequence(_tokens(3))},
         "layers.*": {"attention_mask": JointSequence(_tokens(2)), "image_rotary_emb": JointSequence(_tokens(3))},
         "norm_out": JointSequence(ContextParallelOutput(gather_dim=1, expected_dims=3)),
     }
     refiners = len(model.noise_refiner)
     if refiners:
-        plan["x_embedder"] = {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)}
+        plan["x_embedder"] = {0: SPLIT_TOKENS_OUT}
         plan[f"noise_refiner.{refiners - 1}"] = ContextParallelOutput(gather_dim=1, expected_dims=3)
     return plan
 

@@ -17,20 +17,18 @@ each MoE layer, gather its inputs and split its output; gather ``proj_out``.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
 from ..plan_entries import GatherInput
 from ..processors.kv_gather import SuffixKVAttnProcessor
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_ROWS_OUT, SPLIT_TOKENS, SPLIT_TOKENS_OUT, FamilySpec
 
 _WHOLE_FOR_ROUTING = {"hidden_states": GatherInput(1, 3), "hidden_states_unmodulated": GatherInput(1, 3),
-                      0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)}
+                      0: SPLIT_TOKENS_OUT}
 
 
 def nucleusmoe_plan(model) -> dict:
     """The plan above, with the gather around the MoE layer of every block that has one."""
     plan = {"": {"hidden_states": SPLIT_TOKENS},
-            "pos_embed": {0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)},
+            "pos_embed": {0: SPLIT_ROWS_OUT},
             "proj_out": GATHER_TOKENS}
     for i, block in enumerate(model.transformer_blocks):
         if block.moe_enabled:

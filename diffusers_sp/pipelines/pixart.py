@@ -18,12 +18,10 @@ on each rank); the other passes attend through the usual exchange.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
-from .spec import GATHER_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS_OUT, FamilySpec
 
 _PIXART_PLAN = {
-    "pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    "pos_embed": {0: SPLIT_TOKENS_OUT},
     "proj_out": GATHER_TOKENS,
 }
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 from diffusers.models._modeling_parallel import ContextParallelInput
 
 from ..processors.kv_gather import PrefixKVAttnProcessor
-from .spec import GATHER_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS_OUT, FamilySpec
 
 PRX = FamilySpec(
     name="prx", model_classes=("PRXTransformer2DModel",), is_video=False,
-    sharding_plan={"img_in": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    sharding_plan={"img_in": {0: SPLIT_TOKENS_OUT},
                    "pe_embedder": {0: ContextParallelInput(split_dim=2, expected_dims=6, split_output=True)},
                    "final_layer": GATHER_TOKENS},
     attention_modules=("blocks.*.attention",), text_mask=True, attention_processor=PrefixKVAttnProcessor,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from diffusers.models._modeling_parallel import ContextParallelInput
 
-from .spec import CONTROLNET_RESIDUALS, GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, model_plan
+from .spec import CONTROLNET_RESIDUALS, GATHER_TOKENS, SPLIT_ROWS_OUT, SPLIT_TOKENS, FamilySpec, model_plan
 
 _TEXT_ENTRIES = {"transformer_blocks.0": ("encoder_hidden_states",),
                  "transformer_blocks.*": ("encoder_hidden_states_mask",),
@@ -28,7 +28,7 @@ _TEXT_ENTRIES = {"transformer_blocks.0": ("encoder_hidden_states",),
 _QWEN_PLAN = {
     "transformer_blocks.0": {"hidden_states": SPLIT_TOKENS},
     "transformer_blocks.*": {"modulate_index": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)},
-    "pos_embed": {0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)},
+    "pos_embed": {0: SPLIT_ROWS_OUT},
     "proj_out": GATHER_TOKENS,
 }
 

@@ -36,18 +36,18 @@ token.
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelOutput
 
 from ..processors.linear import LinearAttnProcessor
 from ..grid_window import GridSide, GridWindow
-from .spec import CONTROLNET_RESIDUALS, FamilySpec
+from .spec import CONTROLNET_RESIDUALS, SPLIT_TOKENS_OUT, FamilySpec
 
 
 def sana_sharding_plan(model) -> dict:
     """The plan of the module docstring (a grid window per block's feed-forward)."""
     plan = {
         "": {"controlnet_block_samples": CONTROLNET_RESIDUALS},
-        "patch_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+        "patch_embed": {0: SPLIT_TOKENS_OUT},
         "transformer_blocks.*": {"height": GridSide("height"), "width": GridSide("width")},
         "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
     }

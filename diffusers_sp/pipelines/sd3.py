@@ -18,13 +18,13 @@ rows (see :func:`diffusers_sp.processors.base.is_image_identity_mask`).
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models._modeling_parallel import ContextParallelOutput
 
-from .spec import CONTROLNET_RESIDUALS, FamilySpec
+from .spec import CONTROLNET_RESIDUALS, SPLIT_TOKENS_OUT, FamilySpec
 
 _SD3_PLAN = {
     "": {"block_controlnet_hidden_states": CONTROLNET_RESIDUALS},
-    "pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    "pos_embed": {0: SPLIT_TOKENS_OUT},
     "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
 }
 

@@ -20,6 +20,13 @@ from ..traits import ModelTraits
 
 #: Plan entry for the ``[B, S, C]`` token states of most models: split along the sequence (dim 1).
 SPLIT_TOKENS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+#: Plan entry for a module whose ``[B, S, C]`` token output is split along the sequence (dim 1): a patch
+#: embedding's, when the model patchifies inside its forward.
+SPLIT_TOKENS_OUT = ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)
+#: Plan entries for a ``[S, D]`` table with one row per token (RoPE tables, position ids), split by rows:
+#: as an argument, and as a module's output.
+SPLIT_ROWS = ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)
+SPLIT_ROWS_OUT = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
 #: Plan entry for a module whose ``[B, S_r, C]`` output is gathered back to the full sequence.
 GATHER_TOKENS = ContextParallelOutput(gather_dim=1, expected_dims=3)
 

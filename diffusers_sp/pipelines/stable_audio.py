@@ -18,9 +18,9 @@ from __future__ import annotations
 from diffusers.models._modeling_parallel import ContextParallelInput
 
 from ..plan_entries import JointSequence
-from .spec import GATHER_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_ROWS, FamilySpec
 
-_ROPE = JointSequence(ContextParallelInput(split_dim=0, expected_dims=2, split_output=False), text="prefix")
+_ROPE = JointSequence(SPLIT_ROWS, text="prefix")
 
 STABLE_AUDIO = FamilySpec(
     name="stable_audio", model_classes=("StableAudioDiTModel",), is_video=False,

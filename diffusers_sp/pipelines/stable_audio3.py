@@ -19,15 +19,14 @@ from __future__ import annotations
 from diffusers.models._modeling_parallel import ContextParallelInput
 
 from ..plan_entries import JointSequence, WholeLength
-from .spec import GATHER_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_ROWS_OUT, SPLIT_TOKENS_OUT, FamilySpec
 
-_TOKENS_OUT = ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)
-_ROPE = JointSequence(ContextParallelInput(split_dim=0, expected_dims=2, split_output=True), text="prefix")
+_ROPE = JointSequence(SPLIT_ROWS_OUT, text="prefix")
 
 STABLE_AUDIO3 = FamilySpec(
     name="stable_audio3", model_classes=("StableAudio3DiTModel",), is_video=False,
     sharding_plan={"": {"local_add_cond": ContextParallelInput(split_dim=2, expected_dims=3, split_output=False)},
-                   "proj_in": {0: _TOKENS_OUT}, "rotary_pos_emb": {"seq_len": WholeLength(), 0: _ROPE},
+                   "proj_in": {0: SPLIT_TOKENS_OUT}, "rotary_pos_emb": {"seq_len": WholeLength(), 0: _ROPE},
                    "proj_out": GATHER_TOKENS},
     attention_modules=("transformer_blocks.*.self_attn",), joint_text="prefix", cfg_strategy="batch",
     note="1-D audio tokens after the memory tokens; text in cross-attention only")

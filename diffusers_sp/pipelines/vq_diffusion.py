@@ -13,10 +13,8 @@ Sharding plan: split the output of ``latent_image_embedding`` (``[B, S, C]``, di
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
 from ..errors import SequenceParallelConfigError
-from .spec import GATHER_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS_OUT, FamilySpec
 
 
 def vq_diffusion_patch_size(model) -> tuple[int, int]:
@@ -34,7 +32,7 @@ def vq_diffusion_patch_size(model) -> tuple[int, int]:
 
 VQ_DIFFUSION = FamilySpec(
     name="vq_diffusion", model_classes=("Transformer2DModel",), is_video=False,
-    sharding_plan={"latent_image_embedding": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    sharding_plan={"latent_image_embedding": {0: SPLIT_TOKENS_OUT},
                    "out": GATHER_TOKENS},
     attention_modules=("transformer_blocks.*.attn1",), patch_size=vq_diffusion_patch_size, cfg_strategy="batch",
     note="token-id inputs only; text in cross-attention only")

@@ -19,17 +19,15 @@ VSA runs on the latent grid read as in Wan (``hidden_states`` ``[B, 2C + 4, F, H
 
 from __future__ import annotations
 
-from diffusers.models._modeling_parallel import ContextParallelInput
-
 from ..plan_entries import GatherInput
-from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec
+from .spec import GATHER_TOKENS, SPLIT_TOKENS, SPLIT_TOKENS_OUT, FamilySpec
 from .wan import WAN_ATTENTION, WAN_ROPE, wan_latent_grid, wan_self_attention_kv_first
 
 WAN_ANIMATE = FamilySpec(
     name="wan_animate", model_classes=("WanAnimateTransformer3DModel",), is_video=True,
     sharding_plan={"rope": {0: WAN_ROPE, 1: WAN_ROPE}, "blocks.0": {"hidden_states": SPLIT_TOKENS},
                    "face_adapter.*": {"hidden_states": GatherInput(gather_dim=1, expected_dims=3),
-                                      0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+                                      0: SPLIT_TOKENS_OUT},
                    "proj_out": GATHER_TOKENS},
     attention_modules=WAN_ATTENTION, modes=("ulysses", "kv_gather", "vsa"), latent_grid=wan_latent_grid,
     self_attention_kv_first=wan_self_attention_kv_first, attention_call="dispatch", cfg_strategy="two_call",
