@@ -112,6 +112,15 @@ def end_whole(state: SequenceState) -> None:
         (state.group, state.mesh), state.whole = state.whole, None
 
 
+def _check_length(state: SequenceState, length: int, source: str) -> None:
+    """Refuses an empty sequence; makes a forward whose first split finds fewer tokens than ranks run whole
+    (:func:`run_whole`). ``source`` names where the length comes from, for the error."""
+    if length < 1:
+        raise SequenceParallelConfigError(f"cannot split an empty sequence ({source}).")
+    if state.seq_len is None and state.order is None and length < state.group.world_size:
+        run_whole(state)
+
+
 def split_tensor(state: SequenceState, x, spec, what: str = "a tensor"):
     """This rank's shard of ``x`` along ``spec.split_dim`` (a Diffusers ``ContextParallelInput``), in
     the order of ``state.order`` when one is set; ``x`` passes whole when it is not a tensor of
@@ -127,18 +136,15 @@ def split_tensor(state: SequenceState, x, spec, what: str = "a tensor"):
     if not torch.is_tensor(x) or (spec.expected_dims is not None and x.ndim != spec.expected_dims):
         return x
     length = x.shape[spec.split_dim]
-    if length < 1:
-        raise SequenceParallelConfigError(
-            f"cannot split an empty sequence ({what} of shape {list(x.shape)}, dim {spec.split_dim}).")
-    if state.seq_len is None and state.order is None and length < state.group.world_size:
-        run_whole(state)
+    _check_length(state, length, f"{what} of shape {list(x.shape)}, dim {spec.split_dim}")
     group = state.group
     if state.seq_len is not None and length != state.seq_len:
         source, shape, dim = state.seq_source
         # Splitting anyway would hand ranks shards that disagree (a shape error on some ranks while the
         # others wait in a collective) or, for a length that happens to divide, silently wrong values.
-        broadcast = (" A dimension of 1 that broadcasts over the tokens, such as a timestep of shape [B, 1], cannot "
-                     "be split: pass one value per sample ([B]) or one per token.") if 1 in (length, state.seq_len) else ""
+        broadcast = (" A dimension of 1 that broadcasts over the tokens, such as a timestep of shape [B, 1], "
+                     "cannot be split: pass one value per sample ([B]) or one per token."
+                     if 1 in (length, state.seq_len) else "")
         raise SequenceParallelConfigError(
             f"inputs disagree on the sequence length: {source} of shape {list(shape)} (dim {dim}) has {state.seq_len} "
             f"entries, while {what} of shape {list(x.shape)} has {length} along dim {spec.split_dim}. "
@@ -179,7 +185,8 @@ def split_value(state: SequenceState, value, spec, what: str = "a tensor"):
     if isinstance(spec, dict):
         if not isinstance(value, dict):
             return value
-        return {k: v if spec.get(k) is None else split_value(state, v, spec[k], f"{what}[{k!r}]") for k, v in value.items()}
+        return {k: v if spec.get(k) is None else split_value(state, v, spec[k], f"{what}[{k!r}]")
+                for k, v in value.items()}
     if isinstance(spec, (list, tuple)):
         if not isinstance(value, (list, tuple)):  # e.g. an optional RoPE tuple passed as None
             return value
@@ -463,10 +470,7 @@ class SequenceLength:
         if value is None:
             return value
         n = int(self.length(value))
-        if n < 1:
-            raise SequenceParallelConfigError(f"cannot split an empty sequence (the length given by {what}).")
-        if state.seq_len is None and state.order is None and n < state.group.world_size:
-            run_whole(state)
+        _check_length(state, n, f"the length given by {what}")
         if state.seq_len is not None and n != state.seq_len:
             source, shape, dim = state.seq_source
             raise SequenceParallelConfigError(

@@ -119,7 +119,8 @@ class SequenceForwardHook(ModelHook):
     :class:`SequenceSplitHook`), keeps the unsplit call in ``state.call`` until the forward returns,
     and refuses the forward arguments in ``refuse`` (``{name: why}``) when they are not ``None``. A
     forward that ran whole (:func:`~diffusers_sp.plan_entries.run_whole`) gets its group back when it
-    returns (or, had it raised, when the next one begins). Attached to the model after the plan's hooks, so its pre-forward runs before theirs."""
+    returns (or, had it raised, when the next one begins). Attached to the model after the plan's hooks, so
+    its pre-forward runs before theirs."""
 
     def __init__(self, state: SequenceState, refuse: dict | None = None):
         super().__init__()
