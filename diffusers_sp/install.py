@@ -111,7 +111,8 @@ def _processor_factory(handle, installed: InstalledModel, plan: EnablePlan, opts
     # asked for (Sana's linear attention: its key sums all-reduced, processors/linear.py).
     processor_cls = family.attention_processor or PROCESSORS[handle.mode]
     dense = functools.partial(processor_cls, state=state, kernel=opts.attention_kernel, transport=handle.transport,
-                              head_groups=opts.overlap_head_groups, kv_first=kv_first, dispatch=dispatch)
+                              head_groups=opts.overlap_head_groups, kv_first=kv_first, dispatch=dispatch,
+                              attention_scale=family.attention_scale)
     if vsa is None:
         installed.wrap = dense
 

@@ -36,6 +36,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .cosmos import COSMOS
     from .dit import DIT
     from .easyanimate import EASYANIMATE
+    from .ernie_image import ERNIE_IMAGE
     from .flux import FLUX
     from .flux2 import FLUX2
     from .helios import HELIOS
@@ -51,6 +52,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .longcat_image import LONGCAT_IMAGE
     from .ltx import LTX
     from .ltx2 import LTX2
+    from .lumina import LUMINA
     from .lumina2 import LUMINA2
     from .mochi import MOCHI
     from .nucleusmoe_image import NUCLEUSMOE_IMAGE
@@ -75,7 +77,8 @@ def _registry() -> tuple[FamilySpec, ...]:
             HUNYUAN_IMAGE, SKYREELS_V2, CHROMA, WAN_VACE, WAN_ANIMATE, HIDREAM, Z_IMAGE, SANA, QWENIMAGE21,
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE,
             BRIA, PIXART, HUNYUAN_DIT, DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
-            STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED, VQ_DIFFUSION, LATTE, ANYFLOW)
+            STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED, VQ_DIFFUSION, LATTE, ANYFLOW, ERNIE_IMAGE,
+            LUMINA)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

@@ -89,6 +89,11 @@ class FamilySpec:
             neither Ulysses nor plain K/V-gather: linear attention (Sana,
             :class:`~diffusers_sp.processors.linear.LinearAttnProcessor`), or calls that mix whole and
             split tokens (QwenImage 2.1, :class:`~diffusers_sp.processors.kv_gather.PrefixKVAttnProcessor`).
+        attention_scale: ``None`` or ``(attention module, {argument: value} of its processor's call,
+            sequence length S) -> softmax scale or None``: for a processor that derives its scale from the
+            length of the sequence it sees (Lumina-Next's proportional attention,
+            ``sqrt(log_base(S)) / sqrt(D)``), the scale it computes over the full sequence; it replaces
+            the scale of the wrapped call (``None``: the call's own).
         cfg_strategy: How the family's pipelines run classifier-free guidance, for CFG parallelism
             (:mod:`diffusers_sp.cfg_parallel`): ``"two_call"`` (a conditional and an unconditional
             transformer call per step), ``"batch"`` (both folded into a batch of 2) or ``None`` (no
@@ -120,6 +125,7 @@ class FamilySpec:
     forward_hooks: Callable | None = None
     attention_call: str = "sdpa"
     attention_processor: type | None = None
+    attention_scale: Callable | None = None
     cfg_strategy: str | None = None
     cfg_by_default: bool = True
     swapped_processors: tuple[str, ...] = ()

@@ -29,6 +29,8 @@ The capture of the attention call: :mod:`diffusers_sp.processors.capture`.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..comm import all_gather_along
@@ -80,6 +82,10 @@ class SequenceParallelAttnProcessor:
             ``NotImplemented`` for calls it does not cover, which then run the model's processor.
             Used only by strategies with :attr:`supports_kv_first` (the K/V transfer then overlaps
             the query projection).
+        attention_scale: ``None`` or the family's
+            :attr:`~diffusers_sp.pipelines.FamilySpec.attention_scale`: the softmax scale the model's
+            processor would pass over the full sequence, for a processor that derives it from the
+            length it sees (Lumina-Next's proportional attention); it replaces the scale of the call.
 
     Subclasses implement :meth:`parallel_attention`, and may implement :meth:`start_attention` and
     :meth:`finish_attention` (setting :attr:`supports_kv_first`). Tensors seen by it are ``[B, H, T + S_r, D]``
@@ -106,7 +112,7 @@ class SequenceParallelAttnProcessor:
         return object.__new__(cls)
 
     def __init__(self, inner, state: SequenceState, *, kernel: str = "auto", transport: str = "nccl",
-                 head_groups: int | str = "auto", kv_first=None, dispatch: bool = False):
+                 head_groups: int | str = "auto", kv_first=None, dispatch: bool = False, attention_scale=None):
         self.inner = inner
         self.state = state
         self.kernel = kernel
@@ -118,6 +124,8 @@ class SequenceParallelAttnProcessor:
         self.parallel_calls = 1 if "IPAdapter" in type(inner).__name__ else None
         self._calls_left = None
         self._seen = 0  # F.scaled_dot_product_attention calls caught in the current call (sdpa mode)
+        self.attention_scale = attention_scale
+        self._scale = None  # the current call's full-sequence scale (attention_scale), None: the call's own
         self._dispatch_call = None
         if dispatch:
             call = type(inner).__call__
@@ -153,6 +161,9 @@ class SequenceParallelAttnProcessor:
 
     def _run_parallel(self, attn, *args, **kwargs):
         self._calls_left = self.parallel_calls
+        if self.attention_scale is not None:
+            bound = inspect.signature(self.inner.__call__).bind(attn, *args, **kwargs)
+            self._scale = self.attention_scale(attn, bound.arguments, self.state.seq_len)
         if self.kv_first is not None:
             out = self.kv_first(self.inner, attn, args, kwargs, self._start_kv, self._finish_kv)
             if out is not NotImplemented:
@@ -279,6 +290,7 @@ class SequenceParallelAttnProcessor:
                 enable_gqa=False):
         name = type(self.inner).__name__
         self._check_call(name, query, key, dropout_p, is_causal, enable_gqa)
+        scale = scale if self._scale is None else self._scale
         sizes = self.state.shard_sizes()
         layout = self.state.extra.get("joint_text")
         length = query.shape[2]

@@ -127,6 +127,19 @@ def randomize_norms(model):
     return model
 
 
+def draw_zero_weights(model, std: float = 0.2):
+    """``model`` with every parameter that is all zeros (zero-initialised output layers and modulations,
+    which trained checkpoints fill) drawn from ``N(0, std)``: else the output is zero and a test of it
+    could not fail."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.any():
+                param.normal_(0.0, std)
+    return model
+
+
 def kl_vae(blocks: int, latent_channels: int, **config):
     """A tiny ``AutoencoderKL`` of ``blocks`` one-layer blocks of 4 channels (``2 ** (blocks - 1)`` x down) and
     ``latent_channels`` channels, for pipelines whose size arithmetic assumes a downsampling VAE; ``config``
