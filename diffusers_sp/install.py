@@ -95,11 +95,18 @@ def _install_model(handle, model, model_traits, plan: EnablePlan, replica_group)
 
 def _attention_modules(family, model) -> list:
     """``(name, module, layer)`` of every attention module to wrap: the family's self-attention
-    (``layer`` its index) and its whole-query split-K/V modules (``layer`` ``None``)."""
+    (``layer`` its index), its whole-query split-K/V modules (``layer`` ``None``) and its attention over
+    two streams of the split tokens (``layer`` :data:`TWO_STREAMS`)."""
     modules = [(name, module, layer) for layer, (name, module) in enumerate(family.attention_modules(model))]
     if family.split_kv_attention_modules is not None:  # whole queries over split K/V: K/V-gather in every mode
         modules += [(name, module, None) for name, module in family.split_kv_attention_modules(model)]
+    if family.two_stream_attention_modules is not None:
+        modules += [(name, module, TWO_STREAMS) for name, module in family.two_stream_attention_modules(model)]
     return modules
+
+
+#: The ``layer`` of an attention module over two streams of the split tokens (:func:`_attention_modules`).
+TWO_STREAMS = "two_streams"
 
 
 def _processor_factory(handle, installed: InstalledModel, plan: EnablePlan, opts: EnableOptions, kv_first, index):
@@ -119,6 +126,8 @@ def _processor_factory(handle, installed: InstalledModel, plan: EnablePlan, opts
     def make(inner, layer):
         if layer is None:
             return SplitKVAttnProcessor(inner, state, kernel=opts.attention_kernel, dispatch=dispatch)
+        if layer == TWO_STREAMS:  # dense in every mode: a family with such modules lists no "vsa" mode
+            return dense(inner, streams=2)
         if vsa is None:
             return dense(inner)
         gate = vsa.gates[index][layer] if vsa.gates[index] is not None else None

@@ -55,6 +55,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .lumina import LUMINA
     from .lumina2 import LUMINA2
     from .mochi import MOCHI
+    from .motif_video import MOTIF_VIDEO
     from .nucleusmoe_image import NUCLEUSMOE_IMAGE
     from .ovis_image import OVIS_IMAGE
     from .pixart import PIXART
@@ -78,7 +79,7 @@ def _registry() -> tuple[FamilySpec, ...]:
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE,
             BRIA, PIXART, HUNYUAN_DIT, DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
             STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED, VQ_DIFFUSION, LATTE, ANYFLOW, ERNIE_IMAGE,
-            LUMINA)
+            LUMINA, MOTIF_VIDEO)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

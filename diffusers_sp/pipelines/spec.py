@@ -59,6 +59,11 @@ class FamilySpec:
             over the split video). Their calls gather K and V in every mode
             (:class:`~diffusers_sp.processors.kv_gather.SplitKVAttnProcessor`); found like
             :attr:`attention_call` says.
+        two_stream_attention_modules: ``None``, patterns or ``model -> [(qualified name, module)]``:
+            self-attention modules whose calls join two streams of the split tokens, this rank's shard
+            of each (MotifVideo's decoder layers: ``[decoder tokens; encoder output]``), run by the dense
+            mode's processor with ``streams=2`` (see
+            :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`).
         joint_text: Where text tokens sit in the family's self-attention sequence: ``None`` (text
             only in cross-attention, or no text), ``"prefix"`` or ``"suffix"`` (copied into every
             model's :class:`ModelTraits`).
@@ -115,6 +120,7 @@ class FamilySpec:
     attention_modules: Callable[[torch.nn.Module], list] | tuple[str, ...]
     patch_size: Callable[[torch.nn.Module], tuple[int, ...]] | None = None
     split_kv_attention_modules: Callable[[torch.nn.Module], list] | tuple[str, ...] | None = None
+    two_stream_attention_modules: Callable[[torch.nn.Module], list] | tuple[str, ...] | None = None
     joint_text: str | None = None
     text_mask: bool = False
     modes: tuple[str, ...] = ("ulysses", "kv_gather")
@@ -135,7 +141,7 @@ class FamilySpec:
         # The declarative forms become the functions every caller uses (frozen: set through object).
         if isinstance(self.sharding_plan, dict):
             object.__setattr__(self, "sharding_plan", _fixed_plan(self.sharding_plan))
-        for attribute in ("attention_modules", "split_kv_attention_modules"):
+        for attribute in ("attention_modules", "split_kv_attention_modules", "two_stream_attention_modules"):
             if isinstance(getattr(self, attribute), (tuple, list)):
                 object.__setattr__(self, attribute, _matching(tuple(getattr(self, attribute))))
         if self.patch_size is None:

@@ -86,6 +86,12 @@ class SequenceParallelAttnProcessor:
             :attr:`~diffusers_sp.pipelines.FamilySpec.attention_scale`: the softmax scale the model's
             processor would pass over the full sequence, for a processor that derives it from the
             length it sees (Lumina-Next's proportional attention); it replaces the scale of the call.
+        streams: How many shards of the split sequence each call of the module joins, one after the
+            other (this rank's shard of each, of the same length): 1, or 2 for attention over two streams
+            of the same tokens (MotifVideo's decoder layers: ``[decoder tokens; encoder output]``). The
+            call is then one of a sequence of ``streams * S`` tokens, this rank holding ``streams * S_r``
+            of them; without a mask, attention does not depend on the order of the keys, so gathering
+            them rank by rank (``[dec_0; enc_0; dec_1; enc_1; ...]``) is exact.
 
     Subclasses implement :meth:`parallel_attention`, and may implement :meth:`start_attention` and
     :meth:`finish_attention` (setting :attr:`supports_kv_first`). Tensors seen by it are ``[B, H, T + S_r, D]``
@@ -112,7 +118,8 @@ class SequenceParallelAttnProcessor:
         return object.__new__(cls)
 
     def __init__(self, inner, state: SequenceState, *, kernel: str = "auto", transport: str = "nccl",
-                 head_groups: int | str = "auto", kv_first=None, dispatch: bool = False, attention_scale=None):
+                 head_groups: int | str = "auto", kv_first=None, dispatch: bool = False, attention_scale=None,
+                 streams: int = 1):
         self.inner = inner
         self.state = state
         self.kernel = kernel
@@ -125,6 +132,7 @@ class SequenceParallelAttnProcessor:
         self._calls_left = None
         self._seen = 0  # F.scaled_dot_product_attention calls caught in the current call (sdpa mode)
         self.attention_scale = attention_scale
+        self.streams = streams
         self._scale = None  # the current call's full-sequence scale (attention_scale), None: the call's own
         self._dispatch_call = None
         if dispatch:
@@ -230,10 +238,14 @@ class SequenceParallelAttnProcessor:
                 f"tokens. The sharding plan does not match the model's forward.")
         return text_len
 
+    def _shard_sizes(self) -> list[int]:
+        """Tokens of each rank in one call of this module: its shard of the split sequence, times :attr:`streams`."""
+        return [size * self.streams for size in self.state.shard_sizes()]
+
     def _start_kv(self, key: torch.Tensor, value: torch.Tensor):
         """``start_kv`` of :attr:`kv_first`: checks K and V ``[B, H, T + S_r, D]`` and starts their transfer."""
         name = type(self.inner).__name__
-        sizes = self.state.shard_sizes()
+        sizes = self._shard_sizes()
         if value.shape != key.shape:
             raise SequenceParallelConfigError(
                 f"{name}: keys {tuple(key.shape)} and values {tuple(value.shape)} differ in shape.")
@@ -291,7 +303,7 @@ class SequenceParallelAttnProcessor:
         name = type(self.inner).__name__
         self._check_call(name, query, key, dropout_p, is_causal, enable_gqa)
         scale = scale if self._scale is None else self._scale
-        sizes = self.state.shard_sizes()
+        sizes = self._shard_sizes()
         layout = self.state.extra.get("joint_text")
         length = query.shape[2]
         text_len = self._text_len(name, length, key.shape[2], sizes)
@@ -299,6 +311,10 @@ class SequenceParallelAttnProcessor:
         group.check_device(query.device)
         full_length = text_len + sum(sizes)
         if attn_mask is not None and attn_mask.shape[-1] == full_length and len(sizes) > 1:
+            if self.streams > 1:  # its keys are in the model's order, not rank by rank (same on every rank)
+                raise SequenceParallelConfigError(
+                    f"{name}: a mask over the full sequence in attention over {self.streams} streams of the split "
+                    f"tokens is not supported.")
             # Made by the model over the full sequence before its tokens were split (the key lengths of
             # the two kinds differ at every world size above 1): complete already, nothing to exchange.
             mask = full_sequence_mask(attn_mask, query.shape[0], query.shape[1], full_length, name)
