@@ -46,6 +46,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .hunyuan_video import HUNYUAN_VIDEO
     from .hunyuan_video15 import HUNYUAN_VIDEO15
     from .hunyuan_video_framepack import HUNYUAN_VIDEO_FRAMEPACK
+    from .joyimage import JOYIMAGE
     from .kandinsky5 import KANDINSKY5
     from .kandinsky6 import KANDINSKY6
     from .krea2 import KREA2
@@ -80,7 +81,7 @@ def _registry() -> tuple[FamilySpec, ...]:
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE,
             BRIA, PIXART, HUNYUAN_DIT, DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
             STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED, VQ_DIFFUSION, LATTE, ANYFLOW, ERNIE_IMAGE,
-            LUMINA, MOTIF_VIDEO, KANDINSKY6)
+            LUMINA, MOTIF_VIDEO, KANDINSKY6, JOYIMAGE)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
