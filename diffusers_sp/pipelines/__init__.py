@@ -23,6 +23,7 @@ __all__ = ["CONTROLNET_RESIDUALS", "FAMILIES", "FamilySpec", "family_for_model",
 
 
 def _registry() -> tuple[FamilySpec, ...]:
+    from .ace_step import ACE_STEP
     from .allegro import ALLEGRO
     from .amused import AMUSED
     from .anyflow import ANYFLOW
@@ -81,7 +82,7 @@ def _registry() -> tuple[FamilySpec, ...]:
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE,
             BRIA, PIXART, HUNYUAN_DIT, DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
             STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED, VQ_DIFFUSION, LATTE, ANYFLOW, ERNIE_IMAGE,
-            LUMINA, MOTIF_VIDEO, KANDINSKY6, JOYIMAGE)
+            LUMINA, MOTIF_VIDEO, KANDINSKY6, JOYIMAGE, ACE_STEP)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

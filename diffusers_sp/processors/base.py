@@ -287,7 +287,7 @@ class SequenceParallelAttnProcessor:
 
     def _check_call(self, name: str, query, key, dropout_p, is_causal, enable_gqa) -> None:
         """Raises SequenceParallelConfigError for what no strategy splits: causal attention, dropout,
-        grouped-query attention."""
+        K/V heads that differ from the query heads (after :meth:`_expand_kv_heads`)."""
         if is_causal:
             raise SequenceParallelConfigError(
                 f"{name}: causal attention depends on the query position and is not supported under "
@@ -296,11 +296,23 @@ class SequenceParallelAttnProcessor:
             raise SequenceParallelConfigError(f"{name}: attention dropout is not supported under sequence parallelism.")
         if enable_gqa or key.shape[1] != query.shape[1]:
             raise SequenceParallelConfigError(
-                f"{name}: grouped-query attention (fewer K/V heads than query heads) is not supported.")
+                f"{name}: queries of {query.shape[1]} heads over keys of {key.shape[1]} heads: grouped-query "
+                f"attention needs the query heads a multiple of the K/V heads and enable_gqa=True.")
+
+    @staticmethod
+    def _expand_kv_heads(query, key, value, enable_gqa):
+        """``(key, value, enable_gqa)`` with grouped-query K/V (``enable_gqa``, ``H_q`` a multiple of ``H_kv``)
+        repeated to the query heads, as SDPA's own ``enable_gqa`` does (``repeat_interleave`` over dim 1), so the
+        strategies see one K/V head per query head; anything else as it came (checked by :meth:`_check_call`)."""
+        if enable_gqa and key.shape[1] != query.shape[1] and query.shape[1] % key.shape[1] == 0:
+            groups = query.shape[1] // key.shape[1]
+            return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), False
+        return key, value, enable_gqa
 
     def _attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
         name = type(self.inner).__name__
+        key, value, enable_gqa = self._expand_kv_heads(query, key, value, enable_gqa)
         self._check_call(name, query, key, dropout_p, is_causal, enable_gqa)
         scale = scale if self._scale is None else self._scale
         sizes = self._shard_sizes()

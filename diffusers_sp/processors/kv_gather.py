@@ -332,6 +332,7 @@ class SplitKVAttnProcessor(SequenceParallelAttnProcessor):
     def _attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
         name = type(self.inner).__name__
+        key, value, enable_gqa = self._expand_kv_heads(query, key, value, enable_gqa)
         self._check_call(name, query, key, dropout_p, is_causal, enable_gqa)
         sizes = self.state.shard_sizes()
         local = sizes[self.state.group.rank]
@@ -393,6 +394,7 @@ class PrefixKVAttnProcessor(KVGatherAttnProcessor):
         if q_len != local or k_len < local:  # [whole; shard] queries too: joint attention (checked there)
             return super()._attend(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        key, value, enable_gqa = self._expand_kv_heads(query, key, value, enable_gqa)
         self._check_call(name, query, key, dropout_p, is_causal, enable_gqa)
         whole_keys = k_len - local  # whole keys beside this rank's shard, on the side of key_layout
         mask = normalize_key_padding_mask(attn_mask, query.shape[0], query.shape[1], k_len, name)
