@@ -52,6 +52,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .kandinsky6 import KANDINSKY6
     from .krea2 import KREA2
     from .latte import LATTE
+    from .longcat_audio_dit import LONGCAT_AUDIO_DIT
     from .longcat_image import LONGCAT_IMAGE
     from .ltx import LTX
     from .ltx2 import LTX2
@@ -82,7 +83,8 @@ def _registry() -> tuple[FamilySpec, ...]:
             HUNYUAN_VIDEO15, HUNYUAN_VIDEO_FRAMEPACK, COSMOS, KANDINSKY5, SANA_VIDEO, LONGCAT_IMAGE, OVIS_IMAGE,
             BRIA, PIXART, HUNYUAN_DIT, DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
             STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED, VQ_DIFFUSION, LATTE, ANYFLOW, ERNIE_IMAGE,
-            LUMINA, MOTIF_VIDEO, KANDINSKY6, JOYIMAGE, ACE_STEP)
+            LUMINA, MOTIF_VIDEO, KANDINSKY6, JOYIMAGE, ACE_STEP,
+            LONGCAT_AUDIO_DIT)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
