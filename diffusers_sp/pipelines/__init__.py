@@ -47,6 +47,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .hunyuan_video import HUNYUAN_VIDEO
     from .hunyuan_video15 import HUNYUAN_VIDEO15
     from .hunyuan_video_framepack import HUNYUAN_VIDEO_FRAMEPACK
+    from .ideogram4 import IDEOGRAM4
     from .joyimage import JOYIMAGE
     from .kandinsky5 import KANDINSKY5
     from .kandinsky6 import KANDINSKY6
@@ -84,7 +85,7 @@ def _registry() -> tuple[FamilySpec, ...]:
             BRIA, PIXART, HUNYUAN_DIT, DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
             STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED, VQ_DIFFUSION, LATTE, ANYFLOW, ERNIE_IMAGE,
             LUMINA, MOTIF_VIDEO, KANDINSKY6, JOYIMAGE, ACE_STEP,
-            LONGCAT_AUDIO_DIT)
+            LONGCAT_AUDIO_DIT, IDEOGRAM4)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
