@@ -616,6 +616,19 @@ def _refusal_case(name: str) -> str:
         disable_sequence_parallel(pipe)
 
 
+def _refused_forward_case(name: str) -> str:
+    """The error refusing forward case ``name`` (at its call, in K/V-gather mode), on this rank."""
+    model, kwargs = families.refused_forwards()[name].build()
+    enable_sequence_parallel(model, mode="kv_gather")
+    try:
+        with torch.no_grad():
+            return error_of(lambda: model(**kwargs))
+    finally:
+        disable_sequence_parallel(model)
+
+
+for _name in families.refused_forwards():
+    globals()[f"case_refused_forward_{_name}"] = functools.partial(_refused_forward_case, _name)
 for _name in families.refusal_cases():
     globals()[f"case_refusal_{_name}"] = functools.partial(_refusal_case, _name)
 for _name in families.forward_cases():

@@ -127,6 +127,14 @@ def test_pipeline_equals_one_process(results, pipeline):
             assert v[mode]["seq_len"] == spec.tokens, "the transformer did not run split as expected"
 
 
+@pytest.mark.parametrize("case", tuple(families.refused_forwards()))
+def test_refused_forward_refused_alike_on_every_rank(results, case):
+    P, res = results
+    msgs = values(res, f"refused_forward_{case}")
+    assert len(set(msgs)) == 1, msgs
+    assert msgs[0] != "no error" and families.refused_forwards()[case].match in msgs[0], msgs[0]
+
+
 @pytest.mark.parametrize("pipeline", tuple(families.refusal_cases()))
 def test_refused_pipeline_refused_alike_on_every_rank(results, pipeline):
     P, res = results

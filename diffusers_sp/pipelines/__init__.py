@@ -40,6 +40,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .ernie_image import ERNIE_IMAGE
     from .flux import FLUX
     from .flux2 import FLUX2
+    from .flux3 import FLUX3
     from .helios import HELIOS
     from .hidream import HIDREAM
     from .hunyuan_dit import HUNYUAN_DIT
@@ -85,7 +86,7 @@ def _registry() -> tuple[FamilySpec, ...]:
             BRIA, PIXART, HUNYUAN_DIT, DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
             STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED, VQ_DIFFUSION, LATTE, ANYFLOW, ERNIE_IMAGE,
             LUMINA, MOTIF_VIDEO, KANDINSKY6, JOYIMAGE, ACE_STEP,
-            LONGCAT_AUDIO_DIT, IDEOGRAM4)
+            LONGCAT_AUDIO_DIT, IDEOGRAM4, FLUX3)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()

@@ -196,7 +196,7 @@ class Refusal:
     """A pipeline (or input) that diffusers-sp refuses, and how the refusal shows.
 
     Attributes:
-        build: ``() -> pipeline``.
+        build: ``() -> pipeline`` (``REFUSALS``), or ``() -> (model, kwargs)`` (``REFUSED_FORWARDS``).
         call: ``() -> kwargs`` of the call that is refused, or ``None`` when enabling itself refuses.
         match: A piece of the SequenceParallelConfigError's message.
     """
@@ -212,6 +212,13 @@ def refusal_cases() -> dict[str, Refusal]:
     for mod in family_modules():
         out.update(getattr(mod, "REFUSALS", {}))
     return out
+
+
+def refused_forwards() -> dict[str, Refusal]:
+    """``{"<family>_<case>": Refusal}`` over every family module (``REFUSED_FORWARDS``): forward arguments a
+    family refuses; ``build`` returns ``(model, kwargs)``, and the forward is refused alike on every rank."""
+    return {f"{mod.__name__.rsplit('.', 1)[-1]}_{name}": spec
+            for mod in family_modules() for name, spec in getattr(mod, "REFUSED_FORWARDS", {}).items()}
 
 
 def covered_elsewhere() -> dict[str, str]:
