@@ -60,6 +60,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .ltx2 import LTX2
     from .lumina import LUMINA
     from .lumina2 import LUMINA2
+    from .minimax_music3 import MINIMAX_MUSIC3
     from .mochi import MOCHI
     from .motif_video import MOTIF_VIDEO
     from .nucleusmoe_image import NUCLEUSMOE_IMAGE
@@ -86,7 +87,7 @@ def _registry() -> tuple[FamilySpec, ...]:
             BRIA, PIXART, HUNYUAN_DIT, DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
             STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED, VQ_DIFFUSION, LATTE, ANYFLOW, ERNIE_IMAGE,
             LUMINA, MOTIF_VIDEO, KANDINSKY6, JOYIMAGE, ACE_STEP,
-            LONGCAT_AUDIO_DIT, IDEOGRAM4, FLUX3)
+            LONGCAT_AUDIO_DIT, IDEOGRAM4, FLUX3, MINIMAX_MUSIC3)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
