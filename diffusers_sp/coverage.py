@@ -103,6 +103,16 @@ def dit_pipelines() -> dict[str, tuple[tuple[str, type], ...]]:
     return found
 
 
+def _missing_reason(missing: list[str]) -> str:
+    """Why transformers without a family are refused: each model's reason (:data:`REFUSED_MODELS`), or that
+    it has no family module and no Diffusers ``_cp_plan``."""
+    from .pipelines.refused import REFUSED_MODELS
+
+    return "; ".join(f"{model}: {REFUSED_MODELS[model]}" if model in REFUSED_MODELS else
+                     f"{model} is not parallelized yet (no family module, no Diffusers _cp_plan)"
+                     for model in sorted(set(missing)))
+
+
 def coverage() -> list[PipelineCoverage]:
     """The :class:`PipelineCoverage` of every pipeline of :func:`dit_pipelines`, by name."""
     out = []
@@ -111,8 +121,7 @@ def coverage() -> list[PipelineCoverage]:
         transformers = tuple((arg, model.__name__) for arg, model in parts)
         missing = [model.__name__ for (_, model), fam in zip(parts, families) if fam is None]
         if missing:
-            reason = (f"{', '.join(sorted(set(missing)))} is not parallelized yet (no family module, no "
-                      f"Diffusers _cp_plan)")
+            reason = _missing_reason(missing)
             out.append(PipelineCoverage(name, transformers, None, (), reason))
         elif name in REFUSED:
             out.append(PipelineCoverage(name, transformers, families[0].name, (), REFUSED[name]))
@@ -157,7 +166,7 @@ def modular_coverage() -> list[PipelineCoverage]:
         transformers = tuple((arg, model.__name__) for arg, model in parts)
         missing = sorted({model.__name__ for (_, model), fam in zip(parts, families) if fam is None})
         if missing:
-            reason = f"{', '.join(missing)} is not parallelized yet (no family module, no Diffusers _cp_plan)"
+            reason = _missing_reason(missing)
         elif len({f.name for f in families}) > 1:
             reason = (f"holds transformers of different families ({', '.join(m for _, m in transformers)}); "
                       f"enable sequence parallelism on each transformer instead")

@@ -75,3 +75,39 @@ def test_modular_pipelines_listed_and_the_tested_one_compared():
     assert type(cases_modular._modular()).__name__ in coverage.MODULAR_TESTED
     assert all(r.modes and r.family for r in modular.values() if r.runs)
     assert all(not r.modes and r.reason for r in modular.values() if not r.runs)
+
+
+def test_every_refused_dit_has_a_model_specific_reason(rows):
+    """No DiT pipeline, classic or modular, is refused with the generic "not parallelized yet": each transformer
+    without a family has its reason in diffusers_sp.pipelines.refused, and each reason names a real class."""
+    import diffusers
+
+    from diffusers_sp.pipelines.refused import REFUSED_MODELS
+
+    generic = sorted(r.pipeline for r in rows + coverage.modular_coverage() if "not parallelized yet" in r.reason)
+    assert not generic, f"refused without a model-specific reason (add it to pipelines/refused.py): {generic}"
+    unknown = sorted(name for name in REFUSED_MODELS if not hasattr(diffusers, name))
+    assert not unknown, f"pipelines/refused.py names classes Diffusers does not have: {unknown}"
+
+
+def test_refused_model_refused_with_its_reason():
+    """enable_sequence_parallel on a pipeline holding a refused transformer, or on the transformer itself, raises
+    before any collective with the model's reason (a stand-in class of the same name: the reason is found by
+    name)."""
+    from diffusers import DiffusionPipeline, ModelMixin
+
+    from diffusers_sp import SequenceParallelConfigError
+    from diffusers_sp.pipelines import resolve_target
+    from diffusers_sp.pipelines.refused import REFUSED_MODELS
+
+    model = type("SanaWMTransformer3DModel", (ModelMixin,), {})()
+
+    class Pipe(DiffusionPipeline):
+        def __init__(self, transformer):
+            super().__init__()
+            self.register_modules(transformer=transformer)
+
+    for target in (model, Pipe(model)):
+        with pytest.raises(SequenceParallelConfigError) as err:
+            resolve_target(target)
+        assert REFUSED_MODELS["SanaWMTransformer3DModel"] in str(err.value), str(err.value)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SequenceParallelConfigError
+from .refused import REFUSED_MODELS
 from .spec import CONTROLNET_RESIDUALS, FamilySpec, _head_dim, _heads, plan_without
 
 __all__ = ["CONTROLNET_RESIDUALS", "FAMILIES", "FamilySpec", "family_for_model", "is_modular", "is_pipeline",
@@ -164,6 +165,8 @@ def resolve_target(target) -> tuple[FamilySpec, list[tuple[str, torch.nn.Module]
 
     pipeline = is_pipeline(target)
     models = transformers_of(target) if pipeline else []
+    if not models and name in REFUSED_MODELS:
+        raise SequenceParallelConfigError(f"diffusers-sp does not parallelize {name}: {REFUSED_MODELS[name]}.")
     if not models:
         what = ("a Diffusers pipeline without a transformer" if pipeline else
                 "a model that is not a transformer diffusers-sp parallelizes" if isinstance(target, ModelMixin) else
@@ -176,9 +179,11 @@ def resolve_target(target) -> tuple[FamilySpec, list[tuple[str, torch.nn.Module]
     for attribute, model in models:
         spec = family_for_model(model)
         if spec is None:
+            reason = REFUSED_MODELS.get(type(model).__name__)
             raise SequenceParallelConfigError(
-                f"{name}.{attribute} is a {type(model).__name__}, which diffusers-sp does not parallelize yet. "
-                f"Transformers it runs: {', '.join(supported_models())}, and any transformer with a Diffusers "
+                f"{name}.{attribute} is a {type(model).__name__}, which diffusers-sp does not parallelize"
+                + (f": {reason}. " if reason else " yet. ")
+                + f"Transformers it runs: {', '.join(supported_models())}, and any transformer with a Diffusers "
                 f"_cp_plan; see docs/pipelines.md.")
         families.append(spec)
     if len({f.name for f in families}) > 1:
