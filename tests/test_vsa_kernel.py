@@ -289,13 +289,16 @@ def test_flex_matches_reference_cuda(dtype, atol, sparsity):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: backend='triton' needs CUDA and Triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9])
-@pytest.mark.parametrize("tile,head_dim", [((4, 4, 4), 128), ((2, 2, 4), 64)])
+@pytest.mark.parametrize("tile,head_dim", [((4, 4, 4), 128), ((2, 2, 4), 64), ((2, 8, 8), 128), ((4, 8, 8), 128),
+                                           ((4, 8, 8), 64)])
 def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
     """GPU-only: the Triton fine-stage kernel at its default launch configuration (partial key tiles
     masked in the kernel) agrees with the reference path, with and without a gate, for all query
-    tiles and for a subset. Several key tiles per step are tested in
+    tiles and for a subset; 64-, 128- and 256-token tiles (the last cut into row and column blocks of
+    128, whose blocks of padded slots only must add nothing). Several key tiles per step are tested in
     :func:`test_triton_multi_tile_steps_cuda`."""
-    layout = make_tile_layout((5, 10, 9), tile, device="cuda")  # partial tiles on every axis
+    grid = (5, 10, 9) if tile[1] < 8 else (9, 20, 18)  # partial tiles on every axis, at least 12 tiles
+    layout = make_tile_layout(grid, tile, device="cuda")
     _, (qt, kt, vt) = _tiled_qkv(layout, batch=2, heads=3, head_dim=head_dim, seed=8, dtype=dtype, device="cuda")
     gate = torch.randn(qt.shape, generator=torch.Generator().manual_seed(9)).to("cuda", dtype)
     for gate_arg in (None, gate):
@@ -312,16 +315,20 @@ def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernel needs CUDA and Triton")
-@pytest.mark.parametrize("config", [{"tiles_per_step": 2}, {"tiles_per_step": 4}, {"tma": False},
-                                    {"tma": True}, {"tma": True, "num_stages": 3}], ids=str)
-def test_triton_multi_tile_steps_cuda(config):
+@pytest.mark.parametrize("config,tile", [({"tiles_per_step": 2}, (4, 4, 4)), ({"tiles_per_step": 4}, (4, 4, 4)),
+                                         ({"tma": False}, (4, 4, 4)), ({"tma": True}, (4, 4, 4)),
+                                         ({"tma": True, "num_stages": 3}, (4, 4, 4)), ({"tma": False}, (4, 8, 8)),
+                                         ({"tma": True}, (4, 8, 8))], ids=str)
+def test_triton_multi_tile_steps_cuda(config, tile):
     """GPU-only: with several key tiles per step, a top-k that is not a multiple of the step leaves
     a part-empty last step; its columns must be masked. Also the tensor-descriptor (TMA) variant,
     which must actually run (Hopper), and ordinary loads at one tile per step (the default where TMA
-    does not apply). Fine stage against the reference's."""
+    does not apply), both also for 256-slot tiles (row and column blocks of 128). Fine stage against
+    the reference's."""
     from diffusers_sp.kernels.vsa_triton import fine_stage_triton, tma_applies
 
-    layout = make_tile_layout((5, 10, 9), (4, 4, 4), device="cuda")  # 18 tiles, most partial
+    grid = (5, 10, 9) if tile == (4, 4, 4) else (9, 20, 18)
+    layout = make_tile_layout(grid, tile, device="cuda")  # 18 tiles, most partial
     _, (qt, kt, vt) = _tiled_qkv(layout, batch=2, heads=3, head_dim=64, seed=10, dtype=torch.bfloat16,
                                  device="cuda")
     scale = 64 ** -0.5

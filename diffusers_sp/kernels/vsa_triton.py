@@ -10,7 +10,9 @@ One Triton program computes one (batch, head, query tile): it loads the ``[V, D]
 then walks the tile's list of selected key tiles, ``TILES_PER_STEP`` tiles per step, keeping the running
 row maximum, row sum and output accumulator in float32 registers. Key slots past a partial tile's
 block size are masked to ``-inf``; the list is read straight from the top-k indices, so no block
-mask is built. Forward only (inference). On Hopper and newer a second version of the kernel loads
+mask is built. Tiles of more than 128 slots (the 256-token ``(4, 8, 8)`` tiling) are cut into row blocks
+of 128: one program per (query tile, row block), each key tile walked in column blocks of 128, so the
+register tiles stay those of a 128-slot tile. Forward only (inference). On Hopper and newer a second version of the kernel loads
 every tile through Triton's tensor descriptors, i.e. with the tensor-memory accelerator (TMA), which
 keeps more loads in flight: one tile per step, same arithmetic, bit-identical output.
 
@@ -36,6 +38,8 @@ except ImportError:
     TensorDescriptor = None
 
 _LOG2_E = 1.4426950408889634
+#: Largest query rows per program and key columns per step: larger tiles are cut into blocks of this size.
+_MAX_BLOCK = 128
 
 #: Launch configuration measured fastest on an H200 (bf16, V = 64, D = 128, top-63 of 624 tiles;
 #: benchmarks/RESULTS.md): one key tile per step, four warps (one warpgroup), and the tiles loaded by
@@ -50,7 +54,7 @@ DEFAULT_CONFIG = {"tiles_per_step": 1, "num_warps": 4, "num_stages": None, "tma"
 def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`fine_stage_triton` can run on tiled ``q``, ``k``, ``v`` of ``[B, H, N, V, D]``.
 
-    Needs Triton, CUDA tensors, bfloat16 or float16, a power-of-two tile volume ``V`` in [16, 128]
+    Needs Triton, CUDA tensors, bfloat16 or float16, a power-of-two tile volume ``V`` in [16, 256]
     and head dim ``D`` in {32, 64, 128} (register tile sizes), and no gradient (forward only).
     """
     if triton is None or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
@@ -58,7 +62,7 @@ def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     tile_volume, head_dim = q.shape[-2], q.shape[-1]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     power_of_two = tile_volume & (tile_volume - 1) == 0
-    return power_of_two and 16 <= tile_volume <= 128 and head_dim in (32, 64, 128) and not needs_grad
+    return power_of_two and 16 <= tile_volume <= 256 and head_dim in (32, 64, 128) and not needs_grad
 
 
 def tma_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -77,7 +81,7 @@ def triton_requirements(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> st
     and what these tensors are."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return ("the Triton VSA kernel needs Triton, CUDA bfloat16/float16 tensors without gradient, a "
-            "power-of-two tile volume V in [16, 128] and head dim D of 32, 64 or 128; got "
+            "power-of-two tile volume V in [16, 256] and head dim D of 32, 64 or 128; got "
             f"Triton {'importable' if triton is not None else 'not installed'}, device {q.device}, {q.dtype}, "
             f"V={q.shape[-2]}, D={q.shape[-1]}, requires_grad={grad}")
 
@@ -98,7 +102,7 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
             slots ``j >= kv_block_sizes[i]`` of tile ``i`` are masked.
         scale: Softmax scale.
         config: Launch options overriding :data:`DEFAULT_CONFIG` (``tiles_per_step`` in
-            {1, 2, 4} with ``V * tiles_per_step <= 256``, ``num_warps``, ``num_stages``, ``tma``:
+            {1, 2, 4} with ``V * tiles_per_step <= 256``, 1 for ``V = 256``, ``num_warps``, ``num_stages``, ``tma``:
             load the tiles with the Hopper tensor-memory accelerator through Triton's tensor
             descriptors, used with one tile per step where :func:`tma_applies`, else ordinary
             loads), for benchmarks and tests.
@@ -131,15 +135,23 @@ def _launch(q, k, v, selected, kv_block_sizes, scale, config):
     kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.int32).contiguous()
     out = torch.empty((batch, heads, num_q_tiles, tile_volume, head_dim), device=q.device, dtype=q.dtype)
     topk = selected.shape[-1]
-    grid = (num_q_tiles, batch * heads)
+    block = min(tile_volume, _MAX_BLOCK)  # rows per program, and key columns per step, of a large tile
+    grid = (num_q_tiles * (tile_volume // block), batch * heads)
     use_tma = cfg["tma"] and cfg["tiles_per_step"] == 1 and tma_applies(q, k, v)
     stages = cfg["num_stages"] or (4 if use_tma else 2)
     if use_tma:
         flat = [t.contiguous().view(-1, head_dim) for t in (q, k, v, out)]  # [rows, D]; out is contiguous
-        descs = [TensorDescriptor.from_tensor(t, [tile_volume, head_dim]) for t in flat]
+        descs = [TensorDescriptor.from_tensor(t, [block, head_dim]) for t in flat]
         _vsa_fine_kernel_tma[grid](
             *descs, selected, kv_block_sizes, *selected.stride(), heads, num_q_tiles, k.shape[2], topk,
-            scale * _LOG2_E, TILE=tile_volume, HEAD_DIM=head_dim,
+            scale * _LOG2_E, TILE=tile_volume, HEAD_DIM=head_dim, BLOCK=block,
+            num_warps=cfg["num_warps"], num_stages=stages)
+        return out
+    if tile_volume > _MAX_BLOCK:
+        _vsa_fine_kernel_blocks[grid](
+            q, k, v, out, selected, kv_block_sizes,
+            *q.stride()[:4], *k.stride()[:4], *v.stride()[:4], *out.stride()[:4], *selected.stride(),
+            heads, topk, scale * _LOG2_E, TILE=tile_volume, HEAD_DIM=head_dim, BLOCK=block,
             num_warps=cfg["num_warps"], num_stages=stages)
         return out
     _vsa_fine_kernel[grid](
@@ -214,33 +226,81 @@ if triton is not None:
     @triton.jit
     def _vsa_fine_kernel_tma(q_desc, k_desc, v_desc, o_desc, Sel, KVSizes, s_sb, s_sh, s_sn, s_sk,
                              num_heads, num_q_tiles, num_kv_tiles, topk, scale_log2,
-                             TILE: tl.constexpr, HEAD_DIM: tl.constexpr):
+                             TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
         # The same recurrence as _vsa_fine_kernel, one key tile per step, with every tile moved by
         # the tensor-memory accelerator: q, k, v and out are [rows of TILE tokens, HEAD_DIM] 2-D
-        # views, tile i of (batch, head) bh at row (bh * num_tiles + i) * TILE.
-        q_tile = tl.program_id(0)
+        # views, tile i of (batch, head) bh at row (bh * num_tiles + i) * TILE. A program holds BLOCK
+        # rows of its query tile (BLOCK = TILE up to 128 slots) and walks each key tile in BLOCK columns.
+        PARTS: tl.constexpr = TILE // BLOCK
+        q_tile = tl.program_id(0) // PARTS
+        q_row = tl.program_id(0) % PARTS * BLOCK
         bh = tl.program_id(1)
         b = bh // num_heads
         h = bh % num_heads
-        slot = tl.arange(0, TILE)
-        q = q_desc.load([(bh * num_q_tiles + q_tile) * TILE, 0])
+        cols = tl.arange(0, BLOCK)
+        q = q_desc.load([(bh * num_q_tiles + q_tile) * TILE + q_row, 0])
         sel_base = Sel + b.to(tl.int64) * s_sb + h.to(tl.int64) * s_sh + q_tile.to(tl.int64) * s_sn
         kv_row0 = bh * num_kv_tiles
-        m_i = tl.full([TILE], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([TILE], dtype=tl.float32)
-        acc = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
         for i in range(0, topk):
             kv_tile = tl.load(sel_base + i * s_sk).to(tl.int32)
             n_valid = tl.load(KVSizes + kv_tile)
-            k = k_desc.load([(kv_row0 + kv_tile) * TILE, 0])
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-            s = tl.where((slot < n_valid)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vals = v_desc.load([(kv_row0 + kv_tile) * TILE, 0])
-            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
-            m_i = m_new
+            for part in tl.static_range(PARTS):
+                # A column block of padded slots only (part * BLOCK >= n_valid) adds nothing: its scores
+                # are -inf and the running maximum is finite from the tile's first block on.
+                k = k_desc.load([(kv_row0 + kv_tile) * TILE + part * BLOCK, 0])
+                s = tl.dot(q, tl.trans(k)) * scale_log2
+                s = tl.where((part * BLOCK + cols < n_valid)[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.math.exp2(s - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                vals = v_desc.load([(kv_row0 + kv_tile) * TILE + part * BLOCK, 0])
+                acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+                m_i = m_new
         acc = acc / l_i[:, None]
-        o_desc.store([(bh * num_q_tiles + q_tile) * TILE, 0], acc.to(q.dtype))
+        o_desc.store([(bh * num_q_tiles + q_tile) * TILE + q_row, 0], acc.to(q.dtype))
+
+    @triton.jit
+    def _vsa_fine_kernel_blocks(Q, K, V, Out, Sel, KVSizes,
+                                s_qb, s_qh, s_qn, s_qv, s_kb, s_kh, s_kn, s_kv, s_vb, s_vh, s_vn, s_vv,
+                                s_ob, s_oh, s_on, s_ov, s_sb, s_sh, s_sn, s_sk,
+                                num_heads, topk, scale_log2,
+                                TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        # _vsa_fine_kernel_tma with ordinary loads, for tiles larger than BLOCK where TMA does not apply.
+        PARTS: tl.constexpr = TILE // BLOCK
+        q_tile = (tl.program_id(0) // PARTS).to(tl.int64)
+        q_row = tl.program_id(0) % PARTS * BLOCK
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // num_heads
+        h = bh % num_heads
+        rows = q_row + tl.arange(0, BLOCK)
+        cols = tl.arange(0, BLOCK)
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + b * s_qb + h * s_qh + q_tile * s_qn + rows[:, None] * s_qv + dims[None, :])
+        k_base = K + b * s_kb + h * s_kh
+        v_base = V + b * s_vb + h * s_vh
+        sel_base = Sel + b * s_sb + h * s_sh + q_tile * s_sn
+        m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+        for i in range(0, topk):
+            kv_tile = tl.load(sel_base + i * s_sk).to(tl.int64)
+            n_valid = tl.load(KVSizes + kv_tile)
+            for part in tl.static_range(PARTS):
+                slot = part * BLOCK + cols
+                k = tl.load(k_base + kv_tile * s_kn + slot[:, None] * s_kv + dims[None, :])
+                s = tl.dot(q, tl.trans(k)) * scale_log2
+                s = tl.where((slot < n_valid)[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.math.exp2(s - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                vals = tl.load(v_base + kv_tile * s_vn + slot[:, None] * s_vv + dims[None, :])
+                acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+                m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(Out + b * s_ob + h * s_oh + q_tile * s_on + rows[:, None] * s_ov + dims[None, :],
+                 acc.to(Out.dtype.element_ty))
