@@ -323,7 +323,7 @@ def test_triton_multi_tile_steps_cuda(config, tile):
     """GPU-only: with several key tiles per step, a top-k that is not a multiple of the step leaves
     a part-empty last step; its columns must be masked. Also the tensor-descriptor (TMA) variant,
     which must actually run (Hopper), and ordinary loads at one tile per step (the default where TMA
-    does not apply), both also for 256-slot tiles (row and column blocks of 128). Fine stage against
+    does not apply), both also for 256-slot tiles (row and column blocks of 64). Fine stage against
     the reference's."""
     from diffusers_sp.kernels.vsa_triton import fine_stage_triton, tma_applies
 

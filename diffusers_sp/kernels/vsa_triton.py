@@ -11,8 +11,8 @@ then walks the tile's list of selected key tiles, ``TILES_PER_STEP`` tiles per s
 row maximum, row sum and output accumulator in float32 registers. Key slots past a partial tile's
 block size are masked to ``-inf``; the list is read straight from the top-k indices, so no block
 mask is built. Tiles of more than 128 slots (the 256-token ``(4, 8, 8)`` tiling) are cut into row blocks
-of 128: one program per (query tile, row block), each key tile walked in column blocks of 128, so the
-register tiles stay those of a 128-slot tile. Forward only (inference). On Hopper and newer a second version of the kernel loads
+of 64: one program per (query tile, row block), each key tile walked in column blocks of 64, so the
+register and shared-memory tiles stay those of a 64-slot tile. Forward only (inference). On Hopper and newer a second version of the kernel loads
 every tile through Triton's tensor descriptors, i.e. with the tensor-memory accelerator (TMA), which
 keeps more loads in flight: one tile per step, same arithmetic, bit-identical output.
 
@@ -38,8 +38,10 @@ except ImportError:
     TensorDescriptor = None
 
 _LOG2_E = 1.4426950408889634
-#: Largest query rows per program and key columns per step: larger tiles are cut into blocks of this size.
+#: Largest tile run whole by one program; larger tiles are cut into row and column blocks of
+#: ``_LARGE_TILE_BLOCK`` slots.
 _MAX_BLOCK = 128
+_LARGE_TILE_BLOCK = 64
 
 #: Launch configuration measured fastest on an H200 (bf16, V = 64, D = 128, top-63 of 624 tiles;
 #: benchmarks/RESULTS.md): one key tile per step, four warps (one warpgroup), and the tiles loaded by
@@ -136,11 +138,11 @@ def _launch(q, k, v, selected, kv_block_sizes, scale, config):
     kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.int32).contiguous()
     out = torch.empty((batch, heads, num_q_tiles, tile_volume, head_dim), device=q.device, dtype=q.dtype)
     topk = selected.shape[-1]
-    block = min(tile_volume, _MAX_BLOCK)  # rows per program, and key columns per step, of a large tile
+    # Rows per program, and key columns per step: the whole tile up to 128 slots; blocks of 64 in larger
+    # tiles (blocks of 128 at D = 128 overflow shared memory once a tile's column blocks are unrolled).
+    block = tile_volume if tile_volume <= _MAX_BLOCK else _LARGE_TILE_BLOCK
     grid = (num_q_tiles * (tile_volume // block), batch * heads)
     use_tma = cfg["tma"] and cfg["tiles_per_step"] == 1 and tma_applies(q, k, v)
-    # Four TMA stages of 128-slot key and value blocks overflow shared memory at D = 128 once a 256-slot
-    # tile's two column blocks are unrolled (295 KB of 227 KB on an H100): two stages there.
     stages = cfg["num_stages"] or (4 if use_tma and tile_volume <= _MAX_BLOCK else 2)
     if use_tma:
         flat = [t.contiguous().view(-1, head_dim) for t in (q, k, v, out)]  # [rows, D]; out is contiguous
@@ -233,7 +235,8 @@ if triton is not None:
         # The same recurrence as _vsa_fine_kernel, one key tile per step, with every tile moved by
         # the tensor-memory accelerator: q, k, v and out are [rows of TILE tokens, HEAD_DIM] 2-D
         # views, tile i of (batch, head) bh at row (bh * num_tiles + i) * TILE. A program holds BLOCK
-        # rows of its query tile (BLOCK = TILE up to 128 slots) and walks each key tile in BLOCK columns.
+        # rows of its query tile (BLOCK = TILE up to 128 slots, else 64) and walks each key tile in BLOCK
+        # columns.
         PARTS: tl.constexpr = TILE // BLOCK
         q_tile = tl.program_id(0) // PARTS
         q_row = tl.program_id(0) % PARTS * BLOCK
