@@ -104,8 +104,7 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
             slots ``j >= kv_block_sizes[i]`` of tile ``i`` are masked.
         scale: Softmax scale.
         config: Launch options overriding :data:`DEFAULT_CONFIG` (``tiles_per_step`` in
-            {1, 2, 4} with ``V * tiles_per_step <= 256``, 1 for ``V = 256``, whose ``num_stages=None``
-            means 2, ``num_warps``, ``num_stages``, ``tma``:
+            {1, 2, 4} with ``V * tiles_per_step <= 256``, 1 for ``V = 256``, ``num_warps``, ``num_stages``, ``tma``:
             load the tiles with the Hopper tensor-memory accelerator through Triton's tensor
             descriptors, used with one tile per step where :func:`tma_applies`, else ordinary
             loads), for benchmarks and tests.
@@ -138,12 +137,12 @@ def _launch(q, k, v, selected, kv_block_sizes, scale, config):
     kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.int32).contiguous()
     out = torch.empty((batch, heads, num_q_tiles, tile_volume, head_dim), device=q.device, dtype=q.dtype)
     topk = selected.shape[-1]
-    # Rows per program, and key columns per step: the whole tile up to 128 slots; blocks of 64 in larger
-    # tiles (blocks of 128 at D = 128 overflow shared memory once a tile's column blocks are unrolled).
+    # Rows per program, and key columns per step: the whole tile up to 128 slots, blocks of 64 in larger
+    # tiles (four TMA stages of 128-slot key and value blocks overflow shared memory at D = 128).
     block = tile_volume if tile_volume <= _MAX_BLOCK else _LARGE_TILE_BLOCK
     grid = (num_q_tiles * (tile_volume // block), batch * heads)
     use_tma = cfg["tma"] and cfg["tiles_per_step"] == 1 and tma_applies(q, k, v)
-    stages = cfg["num_stages"] or (4 if use_tma and tile_volume <= _MAX_BLOCK else 2)
+    stages = cfg["num_stages"] or (4 if use_tma else 2)
     if use_tma:
         flat = [t.contiguous().view(-1, head_dim) for t in (q, k, v, out)]  # [rows, D]; out is contiguous
         descs = [TensorDescriptor.from_tensor(t, [block, head_dim]) for t in flat]
@@ -250,22 +249,23 @@ if triton is not None:
         m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK], dtype=tl.float32)
         acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
-        for i in range(0, topk):
-            kv_tile = tl.load(sel_base + i * s_sk).to(tl.int32)
+        # One loop over (selected tile, column block) pairs, so that the pipeliner keeps one block's loads
+        # per stage. A column block of padded slots only (part * BLOCK >= n_valid) adds nothing: its scores
+        # are -inf and the running maximum is finite from a tile's first block on.
+        for step in range(0, topk * PARTS):
+            part = step % PARTS
+            kv_tile = tl.load(sel_base + (step // PARTS) * s_sk).to(tl.int32)
             n_valid = tl.load(KVSizes + kv_tile)
-            for part in tl.static_range(PARTS):
-                # A column block of padded slots only (part * BLOCK >= n_valid) adds nothing: its scores
-                # are -inf and the running maximum is finite from the tile's first block on.
-                k = k_desc.load([(kv_row0 + kv_tile) * TILE + part * BLOCK, 0])
-                s = tl.dot(q, tl.trans(k)) * scale_log2
-                s = tl.where((part * BLOCK + cols < n_valid)[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.math.exp2(s - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                vals = v_desc.load([(kv_row0 + kv_tile) * TILE + part * BLOCK, 0])
-                acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
-                m_i = m_new
+            k = k_desc.load([(kv_row0 + kv_tile) * TILE + part * BLOCK, 0])
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.where((part * BLOCK + cols < n_valid)[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vals = v_desc.load([(kv_row0 + kv_tile) * TILE + part * BLOCK, 0])
+            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+            m_i = m_new
         acc = acc / l_i[:, None]
         o_desc.store([(bh * num_q_tiles + q_tile) * TILE + q_row, 0], acc.to(q.dtype))
 
@@ -292,21 +292,20 @@ if triton is not None:
         m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK], dtype=tl.float32)
         acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
-        for i in range(0, topk):
-            kv_tile = tl.load(sel_base + i * s_sk).to(tl.int64)
+        for step in range(0, topk * PARTS):
+            slot = step % PARTS * BLOCK + cols
+            kv_tile = tl.load(sel_base + (step // PARTS) * s_sk).to(tl.int64)
             n_valid = tl.load(KVSizes + kv_tile)
-            for part in tl.static_range(PARTS):
-                slot = part * BLOCK + cols
-                k = tl.load(k_base + kv_tile * s_kn + slot[:, None] * s_kv + dims[None, :])
-                s = tl.dot(q, tl.trans(k)) * scale_log2
-                s = tl.where((slot < n_valid)[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.math.exp2(s - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                vals = tl.load(v_base + kv_tile * s_vn + slot[:, None] * s_vv + dims[None, :])
-                acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
-                m_i = m_new
+            k = tl.load(k_base + kv_tile * s_kn + slot[:, None] * s_kv + dims[None, :])
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.where((slot < n_valid)[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vals = tl.load(v_base + kv_tile * s_vn + slot[:, None] * s_vv + dims[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+            m_i = m_new
         acc = acc / l_i[:, None]
         tl.store(Out + b * s_ob + h * s_oh + q_tile * s_on + rows[:, None] * s_ov + dims[None, :],
                  acc.to(Out.dtype.element_ty))
