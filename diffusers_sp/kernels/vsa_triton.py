@@ -139,7 +139,7 @@ def _launch(q, k, v, selected, kv_block_sizes, scale, config):
     topk = selected.shape[-1]
     # Rows per program, and key columns per step: the whole tile up to 128 slots, blocks of 64 in larger
     # tiles (four TMA stages of 128-slot key and value blocks overflow shared memory at D = 128).
-    block = tile_volume if tile_volume <= _MAX_BLOCK else _LARGE_TILE_BLOCK
+    block = min(tile_volume, _LARGE_TILE_BLOCK)
     grid = (num_q_tiles * (tile_volume // block), batch * heads)
     use_tma = cfg["tma"] and cfg["tiles_per_step"] == 1 and tma_applies(q, k, v)
     stages = cfg["num_stages"] or (4 if use_tma else 2)
@@ -151,7 +151,7 @@ def _launch(q, k, v, selected, kv_block_sizes, scale, config):
             scale * _LOG2_E, TILE=tile_volume, HEAD_DIM=head_dim, BLOCK=block,
             num_warps=cfg["num_warps"], num_stages=stages)
         return out
-    if tile_volume > _MAX_BLOCK:
+    if tile_volume > block:
         _vsa_fine_kernel_blocks[grid](
             q, k, v, out, selected, kv_block_sizes,
             *q.stride()[:4], *k.stride()[:4], *v.stride()[:4], *out.stride()[:4], *selected.stride(),
