@@ -178,8 +178,8 @@ def fa4_block_sparse_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     """Why VSA's fine stage cannot run on FA4's block-sparse kernel, or None when it can.
 
     ``q``, ``k``, ``v`` are tiled ``[B, H, N, V, D]``. Beyond :func:`fa4_unsupported_reason`: the tile
-    volume ``V`` must be a multiple of 64 (FA4's sm90 block-sparse forward runs 64-row query tiles and a
-    key tile equal to the sparse block), FA4's block sparsity is forward-only here, and Blackwell's
+    volume ``V`` must be 64 or 128 (FA4's sm90 block-sparse forward runs 64-row query tiles and a key tile,
+    at most 128, equal to the sparse block), FA4's block sparsity is forward-only here, and Blackwell's
     block-sparse tile sizes are not the 64 x 64 blocks this path builds.
     """
     reason = fa4_unsupported_reason(q.device.type, device_capability(q.device), q.dtype, q.shape[-1],
@@ -189,8 +189,10 @@ def fa4_block_sparse_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     capability = device_capability(q.device)
     if capability is None or capability[0] != 9:
         return "the block-sparse VSA path is built for Hopper (sm90)"
-    if q.shape[3] % 64:
-        return f"the tile volume V={q.shape[3]} is not a multiple of 64"
+    if q.shape[3] % 64 or q.shape[3] > 128:
+        # The sparse block must equal the forward's key tile, at most 128 on sm90 (FA4 raises "Block sparsity
+        # requires sparse_block_size[1]=256 to match tile_n=128" for a 256-slot tile).
+        return f"the tile volume V={q.shape[3]} is not 64 or 128"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return "the block-sparse path is forward-only"
     return None
