@@ -294,7 +294,7 @@ def test_flex_matches_reference_cuda(dtype, atol, sparsity):
 def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
     """GPU-only: the Triton fine-stage kernel at its default launch configuration (partial key tiles
     masked in the kernel) agrees with the reference path, with and without a gate, for all query
-    tiles and for a subset; 64-, 128- and 256-token tiles (the last cut into row and column blocks of
+    tiles and for a subset; 64-, 128- and 256-token tiles (the larger two cut into row and column blocks of
     64, whose blocks of padded slots only must add nothing). Several key tiles per step are tested in
     :func:`test_triton_multi_tile_steps_cuda`."""
     grid = (5, 10, 9) if tile[1] < 8 else (9, 20, 18)  # partial tiles on every axis, at least 12 tiles

@@ -10,9 +10,10 @@ One Triton program computes one (batch, head, query tile): it loads the ``[V, D]
 then walks the tile's list of selected key tiles, ``TILES_PER_STEP`` tiles per step, keeping the running
 row maximum, row sum and output accumulator in float32 registers. Key slots past a partial tile's
 block size are masked to ``-inf``; the list is read straight from the top-k indices, so no block
-mask is built. Tiles of more than 128 slots (the 256-token ``(4, 8, 8)`` tiling) are cut into row blocks
-of 64: one program per (query tile, row block), each key tile walked in column blocks of 64, so the
-register and shared-memory tiles stay those of a 64-slot tile. Forward only (inference). On Hopper and newer a second version of the kernel loads
+mask is built. Tiles of more than 64 slots (the 128-token ``(4, 4, 8)`` and 256-token ``(4, 8, 8)``
+tilings) are cut into row blocks of 64: one program per (query tile, row block), each key tile walked in
+column blocks of 64, so the register and shared-memory tiles stay those of a 64-slot tile (whole 128-slot
+tiles ran the fine stage in 7.3 ms against 2.8 ms in blocks, H100, benchmarks/RESULTS.md). Forward only (inference). On Hopper and newer a second version of the kernel loads
 every tile through Triton's tensor descriptors, i.e. with the tensor-memory accelerator (TMA), which
 keeps more loads in flight: one tile per step, same arithmetic, bit-identical output.
 
@@ -38,10 +39,8 @@ except ImportError:
     TensorDescriptor = None
 
 _LOG2_E = 1.4426950408889634
-#: Largest tile run whole by one program; larger tiles are cut into row and column blocks of
-#: ``_LARGE_TILE_BLOCK`` slots.
-_MAX_BLOCK = 128
-_LARGE_TILE_BLOCK = 64
+#: Query rows per program and key columns per step: larger tiles are cut into blocks of this many slots.
+_BLOCK = 64
 
 #: Launch configuration measured fastest on an H200 (bf16, V = 64, D = 128, top-63 of 624 tiles;
 #: benchmarks/RESULTS.md): one key tile per step, four warps (one warpgroup), and the tiles loaded by
@@ -137,9 +136,9 @@ def _launch(q, k, v, selected, kv_block_sizes, scale, config):
     kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.int32).contiguous()
     out = torch.empty((batch, heads, num_q_tiles, tile_volume, head_dim), device=q.device, dtype=q.dtype)
     topk = selected.shape[-1]
-    # Rows per program, and key columns per step: the whole tile up to 128 slots, blocks of 64 in larger
-    # tiles (four TMA stages of 128-slot key and value blocks overflow shared memory at D = 128).
-    block = min(tile_volume, _LARGE_TILE_BLOCK)
+    # Rows per program, and key columns per step (four TMA stages of 128-slot key and value blocks would
+    # overflow shared memory at D = 128).
+    block = min(tile_volume, _BLOCK)
     grid = (num_q_tiles * (tile_volume // block), batch * heads)
     use_tma = cfg["tma"] and cfg["tiles_per_step"] == 1 and tma_applies(q, k, v)
     stages = cfg["num_stages"] or (4 if use_tma else 2)
@@ -234,7 +233,7 @@ if triton is not None:
         # The same recurrence as _vsa_fine_kernel, one key tile per step, with every tile moved by
         # the tensor-memory accelerator: q, k, v and out are [rows of TILE tokens, HEAD_DIM] 2-D
         # views, tile i of (batch, head) bh at row (bh * num_tiles + i) * TILE. A program holds BLOCK
-        # rows of its query tile (BLOCK = TILE up to 128 slots, else 64) and walks each key tile in BLOCK
+        # rows of its query tile (BLOCK = min(TILE, 64)) and walks each key tile in BLOCK
         # columns.
         PARTS: tl.constexpr = TILE // BLOCK
         q_tile = tl.program_id(0) // PARTS
