@@ -127,20 +127,16 @@ def test_pipeline_equals_one_process(results, pipeline):
             assert v[mode]["seq_len"] == spec.tokens, "the transformer did not run split as expected"
 
 
-@pytest.mark.parametrize("case", tuple(families.refused_forwards()))
-def test_refused_forward_refused_alike_on_every_rank(results, case):
-    P, res = results
-    msgs = values(res, f"refused_forward_{case}")
-    assert len(set(msgs)) == 1, msgs
-    assert msgs[0] != "no error" and families.refused_forwards()[case].match in msgs[0], msgs[0]
+REFUSED = [(f"refused_forward_{name}", spec.match) for name, spec in families.refused_forwards().items()] + \
+          [(f"refusal_{name}", spec.match) for name, spec in families.refusal_cases().items()]
 
 
-@pytest.mark.parametrize("pipeline", tuple(families.refusal_cases()))
-def test_refused_pipeline_refused_alike_on_every_rank(results, pipeline):
+@pytest.mark.parametrize("case,match", REFUSED, ids=[case for case, _ in REFUSED])
+def test_refused_pipeline_or_forward_refused_alike_on_every_rank(results, case, match):
     P, res = results
-    msgs = values(res, f"refusal_{pipeline}")
+    msgs = values(res, case)
     assert len(set(msgs)) == 1, msgs
-    assert msgs[0] != "no error" and families.refusal_cases()[pipeline].match in msgs[0], msgs[0]
+    assert msgs[0] != "no error" and match in msgs[0], msgs[0]
 
 
 def test_inner_pipelines_agree_after_rng_drift(results):

@@ -140,6 +140,20 @@ def draw_zero_weights(model, std: float = 0.2):
     return model
 
 
+def qwen3_vl_config(width: int = 16, layers: int = 2, head_dim: int = 8, mrope_section=(2, 1, 1)):
+    """A ``Qwen3VLConfig`` of ``layers`` text layers of ``width`` (2 heads, vocabulary of 64) and a one-block
+    vision tower of the same width, for pipelines whose text encoder is Qwen3-VL (they never call the tower
+    on text-only prompts)."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(hidden_size=width, intermediate_size=width, num_hidden_layers=layers, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=head_dim, vocab_size=64,
+                         rope_scaling={"rope_type": "default", "mrope_section": list(mrope_section)}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=width,
+                           deepstack_visual_indexes=[0]))
+
+
 def kl_vae(blocks: int, latent_channels: int, **config):
     """A tiny ``AutoencoderKL`` of ``blocks`` one-layer blocks of 4 channels (``2 ** (blocks - 1)`` x down) and
     ``latent_channels`` channels, for pipelines whose size arithmetic assumes a downsampling VAE; ``config``

@@ -3,7 +3,7 @@ mask over queries and keys, 3-axis RoPE; the pipeline's two transformers)."""
 
 import torch
 
-from families import Forward, Pipe, draw_zero_weights, gen, randomize_norms
+from families import Forward, Pipe, draw_zero_weights, gen, qwen3_vl_config, randomize_norms
 
 #: Text width of the tiny Qwen3-VL and its 13 tapped layers (the pipeline concatenates them).
 _TEXT_DIM, _TAPS = 8, 13
@@ -41,18 +41,13 @@ def _pipeline():
     to the 36th) over the tiny word tokenizer with a plain chat template, the tiny Flux 2 VAE (not run: latents
     out), two transformers."""
     from diffusers import Ideogram4Pipeline
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+    from transformers import Qwen3VLModel
 
     from diffusers_sp import tiny_models as tm
     from families.flux2 import _vae
 
     torch.manual_seed(0)
-    text_encoder = Qwen3VLModel(Qwen3VLConfig(
-        text_config=dict(hidden_size=_TEXT_DIM, intermediate_size=8, num_hidden_layers=36, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=4, vocab_size=64,
-                         rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 0]}),
-        vision_config=dict(depth=1, hidden_size=8, intermediate_size=8, num_heads=2, out_hidden_size=_TEXT_DIM,
-                           deepstack_visual_indexes=[0]))).eval()
+    text_encoder = Qwen3VLModel(qwen3_vl_config(_TEXT_DIM, layers=36, head_dim=4, mrope_section=(1, 1, 0))).eval()
     tokenizer = tm.tiny_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endfor %}"
     return Ideogram4Pipeline(scheduler=tm._flow_scheduler(), vae=_vae(), text_encoder=text_encoder, tokenizer=tokenizer,

@@ -4,7 +4,7 @@ patches padded to the batch's longest, per-sample RoPE and a mask over the paddi
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Forward, Pipe, draw_zero_weights, gen, ragged_mask, randomize_norms
+from families import Forward, Pipe, draw_zero_weights, gen, qwen3_vl_config, ragged_mask, randomize_norms
 
 _TEXT_DIM = 16
 
@@ -53,16 +53,10 @@ FORWARDS = {
 def _text_encoder():
     """A two-layer ``Qwen3VLForConditionalGeneration`` of width 16 (a one-block vision tower, not called: the
     prompts carry no image)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     torch.manual_seed(0)
-    cfg = Qwen3VLConfig(
-        text_config=dict(hidden_size=_TEXT_DIM, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, head_dim=8, vocab_size=64,
-                         rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1]}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=_TEXT_DIM,
-                           deepstack_visual_indexes=[0]))
-    return Qwen3VLForConditionalGeneration(cfg).eval()
+    return Qwen3VLForConditionalGeneration(qwen3_vl_config(_TEXT_DIM)).eval()
 
 
 def _pipeline(plus: bool = False):

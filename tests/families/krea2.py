@@ -4,7 +4,7 @@ text fused from several encoder layers; grouped-query attention)."""
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, gen, ragged_mask
+from families import Pipe, gen, qwen3_vl_config, ragged_mask
 
 #: Text width and the encoder layers the pipeline taps: the tiny Qwen3-VL's two layers.
 _TEXT_DIM, _TAPS = 16, (1, 2)
@@ -40,16 +40,10 @@ FORWARDS = {"ragged_prompts": _forward}
 
 def _text_encoder():
     """A two-layer ``Qwen3VLModel`` of width 16 (a one-block vision tower the pipeline never calls)."""
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+    from transformers import Qwen3VLModel
 
     torch.manual_seed(0)
-    cfg = Qwen3VLConfig(
-        text_config=dict(hidden_size=_TEXT_DIM, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, head_dim=8, vocab_size=64,
-                         rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1]}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=_TEXT_DIM,
-                           deepstack_visual_indexes=[0]))
-    return Qwen3VLModel(cfg).eval()
+    return Qwen3VLModel(qwen3_vl_config(_TEXT_DIM)).eval()
 
 
 def _pipeline():
