@@ -533,10 +533,15 @@ def _forward_case(name: str) -> dict:
 _PIPES: dict = {}
 
 
+def _pipe_spec(name: str):
+    """The :class:`families.Pipe` of pipeline case ``name``: a classic pipeline or a modular one."""
+    return families.pipeline_cases().get(name) or families.modular_cases()[name]
+
+
 def _pipe(name: str):
     if name not in _PIPES:
         _PIPES.clear()  # one tiny pipeline alive at a time
-        _PIPES[name] = families.pipeline_cases()[name].build()
+        _PIPES[name] = _pipe_spec(name).build()
         _PIPES[name].set_progress_bar_config(disable=True)
     return _PIPES[name]
 
@@ -555,8 +560,11 @@ def _first_tensor(out):
 
 
 def _output_tensors(out) -> torch.Tensor:
-    """A pipeline output to compare: its latents (:func:`_first_tensor`), followed by every other tensor it
-    holds (LTX-2's audio latents, computed whole on every rank; DFR's keyframe latents), flattened and joined."""
+    """A pipeline output to compare: its latents (:func:`_first_tensor`; a modular pipeline's ``output="latents"``
+    is the tensor itself), followed by every other tensor it holds (LTX-2's audio latents, computed whole on
+    every rank; DFR's keyframe latents), flattened and joined."""
+    if torch.is_tensor(out):
+        return out
     first = _first_tensor(out)
     rest = [v for v in (out.values() if isinstance(out, dict) else ()) if torch.is_tensor(v) and v is not first]
     return torch.cat([first.flatten()] + [v.flatten() for v in rest]) if rest else first
@@ -574,7 +582,7 @@ def _call_kwargs(pipe, spec) -> dict:
 
 
 def _pipeline_case(name: str) -> dict:
-    spec = families.pipeline_cases()[name]
+    spec = _pipe_spec(name)
     pipe = _pipe(name)
     call = _call_kwargs(pipe, spec)
 
@@ -635,6 +643,8 @@ for _name in families.forward_cases():
     globals()[f"case_transformer_{_name}"] = functools.partial(_forward_case, _name)
 for _name in families.pipeline_cases():
     globals()[f"case_pipeline_{_name}"] = functools.partial(_pipeline_case, _name)
+for _name in families.modular_cases():
+    globals()[f"case_modular_{_name}"] = functools.partial(_pipeline_case, _name)
 
 
 def case_rng_drift_inner_pipelines():

@@ -61,9 +61,10 @@ def test_json_lists_every_pipeline_with_its_status(rows):
     assert sum(d["runs"] for d in data) == sum(r.runs for r in rows) + sum(r.runs for r in modular)
 
 
-def test_modular_pipelines_listed_and_the_tested_one_compared():
+def test_modular_pipelines_listed_and_the_tested_ones_compared():
     """The modular pipelines are in the coverage (each accepted one with its family's modes); those
-    marked tested are the ones tests/test_modular.py compares with one process."""
+    marked tested are the ones tests/test_modular.py and the families' ``MODULAR`` cases compare with one
+    process."""
     import sys
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -72,7 +73,7 @@ def test_modular_pipelines_listed_and_the_tested_one_compared():
     modular = {r.pipeline: r for r in coverage.modular_coverage()}
     assert "WanModularPipeline" in modular and modular["WanModularPipeline"].runs
     assert {name for name, r in modular.items() if r.tested} == set(coverage.MODULAR_TESTED)
-    assert type(cases_modular._modular()).__name__ in coverage.MODULAR_TESTED
+    assert set(coverage.MODULAR_TESTED) == set(cases_modular.VARIANTS) | set(families.modular_cases())
     assert all(r.modes and r.family for r in modular.values() if r.runs)
     assert all(not r.modes and r.reason for r in modular.values() if not r.runs)
 

@@ -19,6 +19,7 @@ TOKENS = families.TOKENS  # image/video tokens of the forward cases (unless a Fo
 FORWARDS = tuple(families.forward_cases())
 FORWARD_SPECS = families.forward_specs()
 PIPELINES = families.pipeline_cases()
+MODULAR = families.modular_cases()
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda p: f"P{p}")
@@ -122,6 +123,18 @@ def test_pipeline_equals_one_process(results, pipeline):
     P, res = results
     spec = PIPELINES[pipeline]
     for rank, v in enumerate(values(res, f"pipeline_{pipeline}")):
+        for mode in spec.modes:
+            assert_close(v[mode], f"P={P} rank {rank} {pipeline} {mode}")
+            assert v[mode]["seq_len"] == spec.tokens, "the transformer did not run split as expected"
+
+
+@pytest.mark.parametrize("pipeline", tuple(MODULAR))
+def test_modular_pipeline_equals_one_process(results, pipeline):
+    """A Diffusers modular pipeline, built from the tiny components of a classic case, equals the same
+    modular pipeline on one process."""
+    P, res = results
+    spec = MODULAR[pipeline]
+    for rank, v in enumerate(values(res, f"modular_{pipeline}")):
         for mode in spec.modes:
             assert_close(v[mode], f"P={P} rank {rank} {pipeline} {mode}")
             assert v[mode]["seq_len"] == spec.tokens, "the transformer did not run split as expected"

@@ -22,6 +22,17 @@ def test_modular_wan_equals_one_process(results, case):
         assert v["world_size"] == P and v["sharded"] == (case == "shard_weights"), v
 
 
+def test_modular_wan_variants_equal_one_process(results):
+    """Wan 2.2 (two experts: both transformers split), Wan 2.1 and 2.2 image-to-video."""
+    P, res = results
+    for rank, v in enumerate(values(res, "variants")):
+        assert len(v) == 6, sorted(v)
+        for name, got in v.items():
+            for key in ("cmp", "cmp2", "again"):
+                assert_close(got[key], f"P={P} rank {rank} {name} {key}")
+            assert got["transformers"] == (2 if "Wan22" in name else 1), (name, got)
+
+
 def test_modular_cfg_parallel_refused_alike(results):
     P, res = results
     msgs = values(res, "cfg_parallel_refused")

@@ -11,6 +11,8 @@ A family's module (named after its family in :mod:`diffusers_sp.pipelines`) defi
   few steps; compared with one process the same way. Every pipeline class of the installed Diffusers
   built on a transformer that diffusers-sp runs must be here or refused with a reason
   (``tests/test_coverage.py``).
+* ``MODULAR``: ``{modular pipeline class name: Modular(...)}``: a Diffusers modular pipeline run with the
+  components and call of one of the ``PIPELINES``; compared with one process the same way.
 
 Adding a family is its module in ``diffusers_sp/pipelines`` and one module here: no test code.
 """
@@ -105,6 +107,69 @@ def pipeline_cases() -> dict[str, Pipe]:
         for name, pipe in getattr(mod, "PIPELINES", {}).items():
             assert name not in out, f"{name} is configured twice"
             out[name] = pipe
+    return out
+
+
+@dataclass(frozen=True)
+class Modular:
+    """A Diffusers modular pipeline (``diffusers.modular_pipelines``) run with the tiny components of one of
+    the family's classic pipelines: the modular class's default blocks without their decode step (the cases
+    compare latents, as the classic ones do), the classic pipeline's components that the blocks expect, and
+    the classic call's arguments that the blocks take as inputs.
+
+    Attributes:
+        classic: The key of the family's ``PIPELINES`` entry whose components and call it takes.
+        call: ``() -> kwargs`` added to (or replacing) the classic call's, for inputs a modular pipeline
+            takes differently.
+        tokens: Image/video tokens of the split sequence, where they differ from the classic call's.
+        components: ``() -> {name: component}`` added to (or replacing) the classic pipeline's, for a
+            modular pipeline that expects another component (a distilled model's scheduler).
+    """
+
+    classic: str
+    call: Callable[[], dict] = dict
+    tokens: int | None = None
+    components: Callable[[], dict] = dict
+
+
+def modular_blocks(name: str):
+    """The default blocks of modular pipeline class ``name``, without the ``decode`` step."""
+    import diffusers.modular_pipelines as modular
+
+    blocks = getattr(modular, getattr(modular, name).default_blocks_name)()
+    blocks.sub_blocks.pop("decode", None)
+    return blocks
+
+
+def _modular_pipe(name: str, spec: Modular, classic: Pipe) -> Pipe:
+    """The :class:`Pipe` of modular pipeline ``name`` configured by ``spec`` over the ``classic`` case."""
+    def build():
+        import diffusers.modular_pipelines as modular
+
+        blocks = modular_blocks(name)
+        pipe = getattr(modular, name)(blocks=blocks)  # init_pipeline() may pick a sibling class
+        # The classic pipeline's components, and the processors it makes for itself (image_processor,
+        # video_processor: sized for the tiny VAE, where the modular defaults assume Diffusers' 8 x VAE).
+        source = classic.build()
+        given = {s.name: getattr(source, s.name, None) for s in blocks.expected_components} | spec.components()
+        pipe.update_components(**{k: v for k, v in given.items() if v is not None})
+        return pipe
+
+    def call():
+        takes = {i.name for i in modular_blocks(name).inputs}
+        kwargs = {"prompt": list(PROMPTS), "num_inference_steps": 2, **classic.call()}
+        return {**{k: v for k, v in kwargs.items() if k in takes}, **spec.call(), "output": "latents"}
+
+    return Pipe(build, call, spec.tokens or classic.tokens, classic.modes)
+
+
+def modular_cases() -> dict[str, Pipe]:
+    """``{modular pipeline class name: Pipe}`` over every family module (``MODULAR``: ``{name: Modular}``)."""
+    out = {}
+    for mod in family_modules():
+        for name, spec in getattr(mod, "MODULAR", {}).items():
+            assert name not in out, f"{name} is configured twice"
+            out[name] = _modular_pipe(name, spec, mod.PIPELINES[spec.classic])
     return out
 
 

@@ -4,7 +4,7 @@ mask the model builds over the full joint sequence from ``text_lens``)."""
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, draw_zero_weights, gen, randomize_norms
+from families import Modular, Pipe, draw_zero_weights, gen, randomize_norms
 
 _TEXT_DIM = 16
 
@@ -52,4 +52,10 @@ PIPELINES = {
     # different lengths (ragged text).
     "ErnieImagePipeline": Pipe(_pipeline, lambda: dict(height=80, width=112, guidance_scale=4.0, use_pe=False,
                                                        negative_prompt=["rain", "snow at night over the city"])),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "ErnieImageModularPipeline": Modular("ErnieImagePipeline"),
 }

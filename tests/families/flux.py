@@ -4,7 +4,7 @@ import torch
 
 import families
 from diffusers_sp import tiny_models as tm
-from families import FEW_TOKENS, Forward, Pipe, gen
+from families import FEW_TOKENS, Forward, Modular, Pipe, gen
 
 
 def _ids(batched: bool = False):
@@ -186,4 +186,12 @@ PIPELINES = {
     # generated target resized to H x W: 35 tokens, the last forward's; 2 steps at strength 0.5).
     "VisualClozePipeline": Pipe(_cloze("VisualClozePipeline"), lambda: _cloze_call(
         upsampling_height=H, upsampling_width=W, upsampling_strength=0.5, num_inference_steps=4)),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "FluxModularPipeline": Modular("FluxPipeline"),
+    # One prompt: the modular Kontext blocks do not repeat the reference image's latents over a batch of prompts.
+    "FluxKontextModularPipeline": Modular("FluxKontextPipeline", lambda: dict(prompt=families.PROMPTS[0])),
 }

@@ -6,7 +6,7 @@ real processors need downloads or torchvision)."""
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, Refusal, gen, image, mask_image, randomize_norms
+from families import Modular, Pipe, Refusal, gen, image, mask_image, randomize_norms
 
 # Chat messages -> their text: string contents, or the text items of a list of content items.
 _CHAT = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
@@ -132,4 +132,12 @@ REFUSALS = {
     "Flux2KleinKVPipeline": Refusal(lambda: tiny_klein_pipeline("Flux2KleinKVPipeline"),
                                     lambda: dict(height=80, width=112, image=image(80, 64), **_TEXT),
                                     match="Flux2KleinKVPipeline: Flux2Transformer2DModel was called with 'kv_cache_mode'"),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "Flux2ModularPipeline": Modular("Flux2Pipeline"),
+    "Flux2KleinModularPipeline": Modular("Flux2KleinPipeline"),
+    "Flux2KleinBaseModularPipeline": Modular("Flux2KleinPipeline"),
 }

@@ -4,7 +4,7 @@ cross-attention, no text mask)."""
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, gen, randomize_norms
+from families import Modular, Pipe, gen, randomize_norms
 
 
 def tiny_transformer(seed: int = 0, **overrides):
@@ -87,4 +87,19 @@ PIPELINES = {
     "HeliosPipeline": Pipe(tiny_helios_pipeline, lambda: dict(height=16, width=80, **_CHUNKS), tokens=25),
     "HeliosPyramidPipeline": Pipe(tiny_helios_pyramid_pipeline, lambda: dict(
         height=32, width=96, pyramid_num_inference_steps_list=[1, 1], **_CHUNKS), tokens=53),
+}
+
+
+def _dmd_scheduler():
+    from diffusers import HeliosDMDScheduler
+
+    return {"scheduler": HeliosDMDScheduler(stages=2, stage_range=[0, 0.5, 1], gamma=_PYRAMID_GAMMA)}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "HeliosModularPipeline": Modular("HeliosPipeline"),
+    "HeliosPyramidModularPipeline": Modular("HeliosPyramidPipeline"),
+    # The distilled blocks step a DMD scheduler (HeliosDMDScheduler) over the same two stages.
+    "HeliosPyramidDistilledModularPipeline": Modular("HeliosPyramidPipeline", components=_dmd_scheduler),
 }

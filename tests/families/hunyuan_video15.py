@@ -3,7 +3,7 @@
 import torch
 
 import families
-from families import Pipe, gen, ragged_mask
+from families import Modular, Pipe, gen, ragged_mask
 
 # Latents of 4 channels; the pipelines join image latents (4) and a mask (1) along the channels.
 _LATENT = 4
@@ -107,4 +107,10 @@ PIPELINES = {
     # target_size 24 (36 patches of 4 pixels) and a 28 x 20 image, 20 x 28 pixels.
     "HunyuanVideo15ImageToVideoPipeline": Pipe(_i2v, lambda: dict(prompt=PROMPTS, image=families.image(W, H),
                                                                    num_frames=1)),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "HunyuanVideo15ModularPipeline": Modular("HunyuanVideo15Pipeline"),
 }

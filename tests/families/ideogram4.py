@@ -3,7 +3,7 @@ mask over queries and keys, 3-axis RoPE; the pipeline's two transformers)."""
 
 import torch
 
-from families import Forward, Pipe, draw_zero_weights, gen, qwen3_vl_config, randomize_norms
+from families import Forward, Modular, Pipe, draw_zero_weights, gen, qwen3_vl_config, randomize_norms
 
 #: Text width of the tiny Qwen3-VL and its 13 tapped layers (the pipeline concatenates them).
 _TEXT_DIM, _TAPS = 8, 13
@@ -59,4 +59,11 @@ PIPELINES = {
     # of 10 and 2 words), 47 in the conditional call; constant guidance.
     "Ideogram4Pipeline": Pipe(_pipeline, lambda: dict(height=80, width=112, max_sequence_length=12, guidance_scale=4.0,
                                                       guidance_schedule=None), tokens=47),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    # The modular blocks take a guidance scale per step (guidance_schedule) instead of guidance_scale.
+    "Ideogram4ModularPipeline": Modular("Ideogram4Pipeline", lambda: dict(guidance_schedule=[4.0, 3.0])),
 }

@@ -3,7 +3,7 @@
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import FEW_TOKENS, PROMPTS, Forward, Pipe, gen, image, ragged_mask
+from families import FEW_TOKENS, Forward, Modular, PROMPTS, Pipe, gen, image, ragged_mask
 
 
 def _forward():
@@ -80,4 +80,10 @@ PIPELINES = {
         tokens=175),
     "LTXConditionPipeline": Pipe(_tiny("LTXConditionPipeline"), _condition_call, tokens=175),
     "LTXI2VLongMultiPromptPipeline": Pipe(_tiny("LTXI2VLongMultiPromptPipeline"), _long_call, tokens=245),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "LTXModularPipeline": Modular("LTXPipeline"),
 }

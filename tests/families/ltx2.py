@@ -10,7 +10,7 @@ tokens stay whole on every rank.
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import Pipe, Refusal, gen, image, ragged_mask
+from families import Modular, Pipe, Refusal, gen, image, ragged_mask
 
 #: The tiny transformer: 4 video heads of 8 (uneven over 3 ranks under Ulysses), 2 audio heads of 8.
 TRANSFORMER = dict(in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=4,
@@ -206,4 +206,11 @@ REFUSALS = {
     "LTX2InContextPipeline": Refusal(_pipeline("LTX2InContextPipeline"), lambda: dict(
         reference_conditions=_reference("LTX2ReferenceCondition"), conditioning_attention_strength=0.5,
         num_frames=13, **_CFG_ONLY, **_GRID), match="video_self_attention_mask"),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "LTX2ModularPipeline": Modular("LTX2Pipeline"),
+    "LTX25ModularPipeline": Modular("LTX2Pipeline"),
 }

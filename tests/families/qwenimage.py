@@ -3,7 +3,7 @@
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import FEW_TOKENS, Forward, Pipe, gen, image, mask_image, ragged_mask
+from families import FEW_TOKENS, Forward, Modular, Pipe, gen, image, mask_image, ragged_mask
 
 
 def _forward():
@@ -240,4 +240,10 @@ PIPELINES = {
     "QwenImageEditPlusPipeline": Pipe(_edit_plus, lambda: dict(
         _CALL, prompt="a cat runs on the grass", negative_prompt="rain",
         image=[image(64, 32), image(32, 32, seed=1)]), tokens=83),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "QwenImageModularPipeline": Modular("QwenImagePipeline"),
 }

@@ -9,7 +9,7 @@ the split length is even over 2 ranks: 4 x 7 = 28 tokens in the forwards, 4 x 10
 import torch
 
 import families
-from families import Forward, Pipe, gen
+from families import Forward, Modular, Pipe, gen
 
 #: 3 heads of 16, two blocks, text features of 16 channels, 4 latent channels (patch 1).
 TRANSFORMER = dict(patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
@@ -142,4 +142,11 @@ PIPELINES = {
     # sequence and stores the prefix K/V, step 1 the target alone over the cached prefix.
     "QwenImage21Pipeline": Pipe(tiny_qwenimage21_pipeline, lambda: dict(
         height=H, width=W, negative_prompt=["", "a"], true_cfg_scale=4.0), tokens=40),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "QwenImage21ModularPipeline": Modular("QwenImage21Pipeline"),
+    "QwenImage21TurboModularPipeline": Modular("QwenImage21Pipeline"),
 }

@@ -3,7 +3,7 @@
 import torch
 
 from diffusers_sp import tiny_models as tm
-from families import FEW_TOKENS, Forward, Pipe, gen, image, mask_image
+from families import FEW_TOKENS, Forward, Modular, Pipe, gen, image, mask_image
 
 
 def _forward():
@@ -133,4 +133,10 @@ PIPELINES = {
     # ... and without (guidance_scale 1): [cond, perturbed] (PAGJointAttnProcessor2_0).
     "StableDiffusion3PAGImg2ImgPipeline": Pipe(_pag_img2img, lambda: dict(
         _CALL, guidance_scale=1.0, pag_scale=3.0, image=image(7, 5), strength=0.9)),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "StableDiffusion3ModularPipeline": Modular("StableDiffusion3Pipeline"),
 }

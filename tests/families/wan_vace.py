@@ -4,7 +4,7 @@ import torch
 
 import families
 from diffusers_sp import tiny_models as tm
-from families import Forward, Pipe, gen
+from families import Forward, Modular, Pipe, gen
 
 #: 5 heads (uneven over 2 and 3 ranks); two main blocks, each a VACE layer. The control input has the
 #: tiny Wan VAE's 16 + 16 latent channels (inactive, reactive) and its 8 x 8 spatial mask (64).
@@ -65,4 +65,10 @@ PIPELINES = {
         guidance_scale_2=3.0, max_sequence_length=8, num_inference_steps=4,
         video=[families.image(112, 16, seed=i) for i in range(9)], mask=[families.mask_image(112, 16)] * 9,
         reference_images=[families.image(56, 16, seed=10), families.image(112, 32, seed=11)])),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "Wan22VaceModularPipeline": Modular("WanVACEPipeline"),
 }

@@ -12,7 +12,7 @@ import torch
 
 import families
 from diffusers_sp import tiny_models as tm
-from families import Forward, Pipe, gen
+from families import Forward, Modular, Pipe, gen
 
 #: 3 heads of 16 (uneven over 2 ranks under Ulysses); two main layers, one refiner of each kind.
 TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=48, n_layers=2,
@@ -170,4 +170,10 @@ PIPELINES = {
     # 80 x 112 pixels (8x VAE): 35 target tokens; a 64 x 64 condition image: 8 x 8 latents, 16 tokens.
     "ZImageOmniPipeline": Pipe(_build("ZImageOmniPipeline", omni=True), lambda: _text2img(
         height=80, width=112, image=[families.image(64, 64, seed=2)]), tokens=256),
+}
+
+
+# Modular pipelines (diffusers.modular_pipelines) run with the components and call of a classic case.
+MODULAR = {
+    "ZImageModularPipeline": Modular("ZImagePipeline"),
 }
