@@ -35,6 +35,7 @@ def _registry() -> tuple[FamilySpec, ...]:
     from .cogvideox import COGVIDEOX
     from .cogview3plus import COGVIEW3PLUS
     from .cogview4 import COGVIEW4
+    from .consisid import CONSISID
     from .cosmos import COSMOS
     from .dit import DIT
     from .easyanimate import EASYANIMATE
@@ -88,7 +89,7 @@ def _registry() -> tuple[FamilySpec, ...]:
             BRIA, PIXART, HUNYUAN_DIT, DIT, COGVIEW3PLUS, EASYANIMATE, AURAFLOW, ALLEGRO, KREA2, BRIA_FIBO, PRX,
             STABLE_AUDIO, NUCLEUSMOE_IMAGE, STABLE_AUDIO3, AMUSED, VQ_DIFFUSION, LATTE, ANYFLOW, ERNIE_IMAGE,
             LUMINA, MOTIF_VIDEO, KANDINSKY6, JOYIMAGE, ACE_STEP,
-            LONGCAT_AUDIO_DIT, IDEOGRAM4, FLUX3, MINIMAX_MUSIC3)
+            LONGCAT_AUDIO_DIT, IDEOGRAM4, FLUX3, MINIMAX_MUSIC3, CONSISID)
 
 
 FAMILIES: tuple[FamilySpec, ...] = _registry()
