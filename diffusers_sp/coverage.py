@@ -109,9 +109,13 @@ def _model_classes(annotation) -> list:
 
 def dit_pipelines() -> dict[str, tuple[tuple[str, type], ...]]:
     """``{pipeline class name: ((component, transformer class), ...)}`` for every pipeline class that the
-    installed ``diffusers`` exports and whose ``__init__`` takes a transformer component."""
+    installed ``diffusers`` exports and whose ``__init__`` takes a transformer component, or a denoiser of
+    another name that :data:`~diffusers_sp.pipelines.refused.REFUSED_MODELS` names (LTX-2's
+    ``diffusion_decoder``)."""
     import diffusers
     from diffusers import DiffusionPipeline
+
+    from .pipelines.refused import REFUSED_MODELS
 
     found = {}
     for name in sorted(dir(diffusers)):
@@ -122,8 +126,8 @@ def dit_pipelines() -> dict[str, tuple[tuple[str, type], ...]]:
             hints = typing.get_type_hints(cls.__init__)
         except Exception:  # noqa: BLE001 - an annotation that does not resolve: read none
             hints = {}
-        parts = tuple((arg, model) for arg, annotation in hints.items() if "transformer" in arg
-                      for model in _model_classes(annotation))
+        parts = tuple((arg, model) for arg, annotation in hints.items() for model in _model_classes(annotation)
+                      if "transformer" in arg or model.__name__ in REFUSED_MODELS)
         if parts:
             found[name] = parts
     return found

@@ -112,3 +112,28 @@ def test_refused_model_refused_with_its_reason():
         with pytest.raises(SequenceParallelConfigError) as err:
             resolve_target(target)
         assert REFUSED_MODELS["SanaWMTransformer3DModel"] in str(err.value), str(err.value)
+
+
+def test_refused_denoiser_of_another_name_refused_with_its_reason():
+    """A pipeline whose denoiser is not named ``transformer`` (LTX-2's ``diffusion_decoder``) is refused with
+    that model's reason, naming the component (it said "a Diffusers pipeline without a transformer"); the
+    real pipeline class is in the coverage, refused with the same reason."""
+    from diffusers import DiffusionPipeline, ModelMixin
+
+    from diffusers_sp import SequenceParallelConfigError
+    from diffusers_sp.pipelines import resolve_target
+    from diffusers_sp.pipelines.refused import REFUSED_MODELS
+
+    reason = REFUSED_MODELS["LTX2VideoDiffusionDecoderModel"]
+    decoder = type("LTX2VideoDiffusionDecoderModel", (ModelMixin,), {})()
+
+    class Pipe(DiffusionPipeline):
+        def __init__(self, diffusion_decoder):
+            super().__init__()
+            self.register_modules(diffusion_decoder=diffusion_decoder)
+
+    with pytest.raises(SequenceParallelConfigError) as err:
+        resolve_target(Pipe(decoder))
+    assert "Pipe.diffusion_decoder is a LTX2VideoDiffusionDecoderModel" in str(err.value) and reason in str(err.value)
+    row = {r.pipeline: r for r in coverage.coverage()}["LTX2VideoDiffusionDecodePipeline"]
+    assert not row.runs and reason in row.reason and row.transformers == (("diffusion_decoder", "LTX2VideoDiffusionDecoderModel"),)

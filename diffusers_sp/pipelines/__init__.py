@@ -128,6 +128,13 @@ def transformers_of(pipeline) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
+def _components(pipeline) -> list[tuple[str, torch.nn.Module]]:
+    """The ``(attribute, module)`` pairs of every module component in a pipeline's config."""
+    config = getattr(pipeline, "config", {}) or {}
+    return [(name, getattr(pipeline, name, None)) for name in config
+            if not name.startswith("_") and isinstance(getattr(pipeline, name, None), torch.nn.Module)]
+
+
 def is_pipeline(target) -> bool:
     """Whether ``target`` is a Diffusers pipeline: a classic ``DiffusionPipeline`` or a
     ``ModularPipeline`` (whose components a pipeline's blocks use; ``transformers_of`` reads both from
@@ -168,6 +175,13 @@ def resolve_target(target) -> tuple[FamilySpec, list[tuple[str, torch.nn.Module]
     models = transformers_of(target) if pipeline else []
     if not models and name in REFUSED_MODELS:
         raise SequenceParallelConfigError(f"diffusers-sp does not parallelize {name}: {REFUSED_MODELS[name]}.")
+    refused = [(a, m) for a, m in (_components(target) if pipeline and not models else ())
+               if type(m).__name__ in REFUSED_MODELS]
+    if refused:  # a denoiser of another name (LTX-2's diffusion_decoder)
+        attribute, model = refused[0]
+        raise SequenceParallelConfigError(
+            f"{name}.{attribute} is a {type(model).__name__}, which diffusers-sp does not parallelize: "
+            f"{REFUSED_MODELS[type(model).__name__]}.")
     if not models:
         what = ("a Diffusers pipeline without a transformer" if pipeline else
                 "a model that is not a transformer diffusers-sp parallelizes" if isinstance(target, ModelMixin) else

@@ -26,6 +26,10 @@ REFUSED_MODELS: dict[str, str] = {
         "NABLA sparse attention: the block pattern is computed inside the processor from the pooled queries "
         "and keys of the whole fractal-ordered grid and run as a flex-attention BlockMask; a rank holds "
         "neither the whole grid nor a mask over its shard"),
+    "LTX2VideoDiffusionDecoderModel": (
+        "LTX-2's pixel-space diffusion decoder attends in 3-D neighbourhoods (each token to a kernel_size window "
+        "of the frame grid: a flex-attention BlockMask or NATTEN's na3d), not over the whole sequence; a split "
+        "of it is a halo exchange between neighbouring grid blocks, which neither Ulysses nor K/V-gather is"),
     "OmniGenTransformer2DModel": (
         "no family module yet: its [condition; time; image] sequence under the pipeline's causal-and-"
         "bidirectional mask could be split whole, but the pipeline's multimodal processor needs torchvision, "
