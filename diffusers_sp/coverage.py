@@ -183,25 +183,28 @@ def modular_pipelines() -> dict[str, tuple[tuple[str, type], ...]]:
     return found
 
 
-def _transformer_hints(blocks, in_loop: bool = False, hints: dict | None = None) -> dict[str, type]:
+def _transformer_hints(blocks) -> dict[str, type]:
     """``{component name: class}`` of the transformer components that ``blocks`` expect, read from its leaf
     blocks. A name hinted with two classes (Wan 2.2 VACE: ``transformer`` is a ``WanTransformer3DModel`` to
     the input step, which reads its config, and a ``WanVACETransformer3DModel`` to the denoiser, which calls
     it) takes the hint of a block inside the denoising loop, which is the one that runs the model."""
     from diffusers.modular_pipelines import LoopSequentialPipelineBlocks
 
-    hints = {} if hints is None else hints
-    subs = getattr(blocks, "sub_blocks", None)
-    if subs:
-        loop = in_loop or isinstance(blocks, LoopSequentialPipelineBlocks)
-        for sub in subs.values():
-            _transformer_hints(sub, loop, hints)
-        return {name: cls for name, (cls, _) in hints.items()}
-    for spec in blocks.expected_components:
-        if "transformer" in spec.name and inspect.isclass(spec.type_hint):
-            if spec.name not in hints or (in_loop and not hints[spec.name][1]):
-                hints[spec.name] = (spec.type_hint, in_loop)
-    return hints
+    hints: dict[str, tuple[type, bool]] = {}  # name: (class, hinted inside the loop)
+
+    def walk(block, in_loop: bool):
+        subs = getattr(block, "sub_blocks", None)
+        if subs:
+            for sub in subs.values():
+                walk(sub, in_loop or isinstance(block, LoopSequentialPipelineBlocks))
+            return
+        for spec in block.expected_components:
+            if "transformer" in spec.name and inspect.isclass(spec.type_hint):
+                if spec.name not in hints or (in_loop and not hints[spec.name][1]):
+                    hints[spec.name] = (spec.type_hint, in_loop)
+
+    walk(blocks, False)
+    return {name: cls for name, (cls, _) in hints.items()}
 
 
 def modular_coverage() -> list[PipelineCoverage]:

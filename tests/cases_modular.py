@@ -28,13 +28,7 @@ VARIANTS = {"WanModularPipeline": "t2v", "Wan22ModularPipeline": "t2v_moe",
 
 def _modular(name: str = "WanModularPipeline"):
     """Modular pipeline ``name`` (its default blocks without the decode step) with the tiny Wan components."""
-    import diffusers.modular_pipelines as modular
-
-    classic = tiny_wan_pipeline(VARIANTS[name])
-    blocks = families.modular_blocks(name)
-    pipe = getattr(modular, name)(blocks=blocks)
-    given = {spec.name: getattr(classic, spec.name, None) for spec in blocks.expected_components}
-    pipe.update_components(**{k: v for k, v in given.items() if v is not None})
+    pipe = families.modular_pipeline(name, tiny_wan_pipeline(VARIANTS[name]))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -118,25 +118,19 @@ def test_transformer_forward_equals_one_process(results, case):
         assert v["restored_bitwise"], f"P={P} rank {rank}: disable did not restore the outputs bit for bit"
 
 
-@pytest.mark.parametrize("pipeline", tuple(PIPELINES))
-def test_pipeline_equals_one_process(results, pipeline):
-    P, res = results
-    spec = PIPELINES[pipeline]
-    for rank, v in enumerate(values(res, f"pipeline_{pipeline}")):
-        for mode in spec.modes:
-            assert_close(v[mode], f"P={P} rank {rank} {pipeline} {mode}")
-            assert v[mode]["seq_len"] == spec.tokens, "the transformer did not run split as expected"
+#: Every pipeline case: the classic pipelines and the modular ones (a Diffusers modular pipeline built from the
+#: tiny components of a classic case), by their case name in tests/cases_families.py.
+PIPELINE_CASES = {f"pipeline_{name}": spec for name, spec in PIPELINES.items()} | \
+                 {f"modular_{name}": spec for name, spec in MODULAR.items()}
 
 
-@pytest.mark.parametrize("pipeline", tuple(MODULAR))
-def test_modular_pipeline_equals_one_process(results, pipeline):
-    """A Diffusers modular pipeline, built from the tiny components of a classic case, equals the same
-    modular pipeline on one process."""
+@pytest.mark.parametrize("case", tuple(PIPELINE_CASES))
+def test_pipeline_equals_one_process(results, case):
     P, res = results
-    spec = MODULAR[pipeline]
-    for rank, v in enumerate(values(res, f"modular_{pipeline}")):
+    spec = PIPELINE_CASES[case]
+    for rank, v in enumerate(values(res, case)):
         for mode in spec.modes:
-            assert_close(v[mode], f"P={P} rank {rank} {pipeline} {mode}")
+            assert_close(v[mode], f"P={P} rank {rank} {case} {mode}")
             assert v[mode]["seq_len"] == spec.tokens, "the transformer did not run split as expected"
 
 

@@ -117,12 +117,8 @@ def transformers_of(pipeline) -> list[tuple[str, torch.nn.Module]]:
     """The ``(attribute, model)`` pairs of a Diffusers pipeline's transformers: the components whose
     name contains ``"transformer"`` (``transformer``, ``transformer_2``, ...), each module once."""
     found, seen = [], set()
-    config = getattr(pipeline, "config", {}) or {}
-    for name in config:
-        if name.startswith("_") or "transformer" not in name:
-            continue
-        model = getattr(pipeline, name, None)
-        if isinstance(model, torch.nn.Module) and id(model) not in seen:  # transformer_2 = transformer
+    for name, model in _components(pipeline):
+        if "transformer" in name and id(model) not in seen:  # transformer_2 = transformer
             seen.add(id(model))
             found.append((name, model))
     return found

@@ -141,19 +141,24 @@ def modular_blocks(name: str):
     return blocks
 
 
+def modular_pipeline(name: str, source, components: dict | None = None):
+    """Modular pipeline class ``name`` on :func:`modular_blocks`, holding what its blocks expect from the
+    classic pipeline ``source``: its components, and the processors it makes for itself (image_processor,
+    video_processor: sized for the tiny VAE, where the modular defaults assume Diffusers' 8 x VAE), with
+    ``components`` added or replacing them."""
+    import diffusers.modular_pipelines as modular
+
+    blocks = modular_blocks(name)
+    pipe = getattr(modular, name)(blocks=blocks)  # init_pipeline() may pick a sibling class
+    given = {s.name: getattr(source, s.name, None) for s in blocks.expected_components} | (components or {})
+    pipe.update_components(**{k: v for k, v in given.items() if v is not None})
+    return pipe
+
+
 def _modular_pipe(name: str, spec: Modular, classic: Pipe) -> Pipe:
     """The :class:`Pipe` of modular pipeline ``name`` configured by ``spec`` over the ``classic`` case."""
     def build():
-        import diffusers.modular_pipelines as modular
-
-        blocks = modular_blocks(name)
-        pipe = getattr(modular, name)(blocks=blocks)  # init_pipeline() may pick a sibling class
-        # The classic pipeline's components, and the processors it makes for itself (image_processor,
-        # video_processor: sized for the tiny VAE, where the modular defaults assume Diffusers' 8 x VAE).
-        source = classic.build()
-        given = {s.name: getattr(source, s.name, None) for s in blocks.expected_components} | spec.components()
-        pipe.update_components(**{k: v for k, v in given.items() if v is not None})
-        return pipe
+        return modular_pipeline(name, classic.build(), spec.components())
 
     def call():
         takes = {i.name for i in modular_blocks(name).inputs}
