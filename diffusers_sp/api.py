@@ -185,7 +185,8 @@ def _make_handle(target, plan: EnablePlan, opts: EnableOptions, launch: SPGroup,
                                     traits=plan.traits, group=group, target=target, sp_mode=plan.sp_mode,
                                     transport=transport if transport == "copy_engine" else group.backend or "none",
                                     ulysses_degree=plan.ulysses, kv_gather_degree=group.world_size // plan.ulysses,
-                                    requested_kernel=opts.attention_kernel)
+                                    requested_kernel=opts.attention_kernel,
+                                    vsa_tile=None if plan.vsa is None else tuple(plan.vsa.tile))
     if pgroups is not None:
         handle.groups = pgroups
         handle.replica_index, handle.num_replicas = pgroups.replica_index, pgroups.num_replicas
@@ -204,7 +205,8 @@ def _log_enabled(handle: SequenceParallelHandle, plan: EnablePlan) -> None:
              f"{layout.num_replicas} replica(s) x cfg {layout.cfg_degree} x {sp} = "
              f"{layout.num_replicas * layout.cfg_degree * layout.sp_degree} ranks")
     logger.info("diffusers-sp: %s with %s, %s, transfers by %s, attention kernel %s%s", plan.traits.name,
-                plan.resolved if plan.vsa is None else f"vsa (under {plan.vsa.sp_mode})", sizes, handle.transport,
+                plan.resolved if plan.vsa is None else
+                f"vsa (under {plan.vsa.sp_mode}, fine stage {handle.vsa_backend()})", sizes, handle.transport,
                 handle.attention_kernel, f" (cfg_parallel='auto': {layout.cfg_reason})" if layout.cfg_reason else "")
 
 

@@ -109,6 +109,7 @@ class SequenceParallelHandle:
             joint text, use the collectives. Inside a ``torch.compile``d region the processors take
             the collectives whatever this says (side streams and events do not trace).
         requested_kernel: The ``attention_kernel`` option as given; :attr:`attention_kernel` says what runs.
+        vsa_tile: ``mode="vsa"``: the VSA tile ``(tt, th, tw)`` in latent patches; None otherwise.
     """
 
     mode: str
@@ -133,6 +134,7 @@ class SequenceParallelHandle:
     _undo: list = field(default_factory=list, repr=False)
     _cfg_hooks: list = field(default_factory=list, repr=False)  # CFGParallelHook per transformer (stats)
     weights: object = field(default=None, repr=False)  # diffusers_sp.weights.WeightSharding, shard_weights=True
+    vsa_tile: tuple | None = None
 
     def local_weight_bytes(self) -> dict[str, int]:
         """``{component: bytes}`` of the parameters this rank holds of each transformer and text encoder
@@ -167,6 +169,22 @@ class SequenceParallelHandle:
         device = param.device if param is not None else torch.device("cpu")
         dtype = param.dtype if param is not None else torch.float32
         return kernel_on(self.requested_kernel, device, dtype, self.traits.models[0].head_dim, compiling=compiled)
+
+    def vsa_backend(self) -> str | None:
+        """``mode="vsa"``: the VSA backend that runs video self-attention of the (first) transformer as it is
+        now (its device, dtype, head dim and :attr:`vsa_tile`): ``"triton"``, ``"flex"``, ``"fa4"`` or
+        ``"reference"``, as :func:`~diffusers_sp.kernels.vsa.backend_on` resolves ``backend="auto"``. None in
+        the dense modes."""
+        if self.vsa_tile is None:
+            return None
+        from .kernels.vsa import backend_on
+
+        model = self._models[0].model if self._models else None
+        param = next(model.parameters(), None) if model is not None else None
+        device = param.device if param is not None else torch.device("cpu")
+        dtype = param.dtype if param is not None else torch.float32
+        tile_volume = self.vsa_tile[0] * self.vsa_tile[1] * self.vsa_tile[2]
+        return backend_on("auto", device, dtype, self.traits.models[0].head_dim, tile_volume)
 
     @property
     def attention_kernel(self) -> str:

@@ -3,7 +3,7 @@
 FlashAttention-4 and the Triton VSA fine stage run only on a GPU. :func:`stand_in_kernels` makes the
 package believe both are there on CPU: FA4's ``flash_attn_func`` / ``flash_attn_varlen_func`` become
 SDPA with FA4's ``[B, S, H, D]`` layout (varlen: over the packed ``cu_seqlens`` segments), the Triton
-launch becomes the reference fine stage, and the checks that would refuse CPU tensors say yes. The
+launches become the reference tile means and fine stage, and the checks that would refuse CPU tensors say yes. The
 product's code paths above the kernels (the choice, the custom operators, their fake implementations,
 the packing of key padding masks) run unchanged. The counters say how often each stand-in ran.
 """
@@ -61,22 +61,42 @@ def stand_in_kernels():
     """Within the block, FA4 and the Triton VSA kernel "run" on CPU (see the module docstring).
 
     Yields:
-        A :class:`collections.Counter` of stand-in calls: ``fa4_dense``, ``fa4_varlen``, ``vsa_triton``.
+        A :class:`collections.Counter` of stand-in calls: ``fa4_dense``, ``fa4_varlen``, ``vsa_triton``,
+        ``vsa_tile_means``.
     """
     calls = Counter()
     functions = (_dense(calls), _varlen(calls))
 
-    def launch(q, k, v, selected, kv_block_sizes, scale, config):
+    def launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse,
+               config):
+        # The reference fine stage on padded copies of the packed tiles, the gated coarse output added.
         calls["vsa_triton"] += 1
-        return vsa._fine_stage_reference(q, k, v, selected, kv_block_sizes.long(), scale).contiguous()
+        q_slots, kv_slots = (_slots(off, sizes, tile_volume) for off, sizes in ((q_offsets, q_sizes),
+                                                                               (kv_offsets, kv_sizes)))
+        num_q, num_kv = q_offsets.shape[0], kv_offsets.shape[0]
+        qt = _gather(q, q_slots, num_q, tile_volume)
+        out = vsa._fine_stage_reference(qt, _gather(k, kv_slots, num_kv, tile_volume),
+                                        _gather(v, kv_slots, num_kv, tile_volume), selected, kv_sizes.long(), scale)
+        if gate is not None:
+            out = torch.addcmul(out, coarse.to(q.dtype).unsqueeze(3), _gather(gate, q_slots, num_q, tile_volume))
+        result = vsa_triton._output_like(q)
+        valid = q_slots >= 0
+        result[:, :, q_slots[valid]] = out.flatten(2, 3)[:, :, valid]
+        return result
 
-    def triton_applies(q, k, v):
+    def launch_means(x, offsets, sizes, tile_volume):
+        calls["vsa_tile_means"] += 1
+        tiles = _gather(x, _slots(offsets, sizes, tile_volume), offsets.shape[0], tile_volume)
+        return vsa._tile_means(tiles, sizes.long())
+
+    def triton_applies(q, k, v, tile_volume=None):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         return q.dtype in (torch.float32, torch.bfloat16, torch.float16) and not needs_grad
 
     patches = [mock.patch.object(fa4, "fa4_functions", lambda: functions),
                mock.patch.object(fa4, "fa4_unsupported_reason", _fa4_reason),
                mock.patch.object(vsa_triton, "_launch", launch),
+               mock.patch.object(vsa_triton, "_launch_means", launch_means),
                mock.patch.object(vsa_triton, "triton_applies", triton_applies),
                mock.patch.object(vsa, "triton_applies", triton_applies)]
     sdpa.choose_kernel.cache_clear()
@@ -88,6 +108,19 @@ def stand_in_kernels():
     finally:
         sdpa.choose_kernel.cache_clear()
         torch._dynamo.reset()
+
+
+def _slots(offsets, sizes, tile_volume):
+    """``[N * V]``: for each padded slot of the packed tiles, the token it holds, or -1."""
+    slot = torch.arange(tile_volume)
+    tokens = offsets.long()[:, None] + slot
+    return torch.where(slot < sizes.long()[:, None], tokens, -1).reshape(-1)
+
+
+def _gather(x, slots, num_tiles, tile_volume):
+    """Packed ``[B, H, S, D]`` -> padded ``[B, H, N, V, D]`` (zero padded slots) by the slots of :func:`_slots`."""
+    out = x[:, :, slots.clamp(min=0)] * (slots >= 0)[:, None].to(x.dtype)
+    return out.unflatten(2, (num_tiles, tile_volume))
 
 
 def recording_backend(targets: Counter):

@@ -14,8 +14,10 @@ from diffusers_sp.kernels.vsa import (
     tile_tokens,
     untile_tokens,
     video_sparse_attention,
+    video_sparse_attention_packed,
     vsa_topk,
 )
+from diffusers_sp.kernels.tiles import packed_offsets, packed_slots
 
 
 def _tiled_qkv(layout, batch=2, heads=3, head_dim=8, seed=0, dtype=torch.float32, device="cpu"):
@@ -181,6 +183,73 @@ def test_query_tile_subset_gives_the_same_rows():
         torch.testing.assert_close(part, full[:, :, start:end], rtol=0, atol=1e-6)
 
 
+def _packed(x, layout, start=0, end=None):
+    """Raster ``[B, H, S, D]`` -> the valid tokens of tiles ``[start, end)``, tile after tile (packed)."""
+    return x.index_select(2, tile_range_tokens(layout, start, layout.num_tiles if end is None else end).to(x.device))
+
+
+def test_packed_slots_and_offsets_hand_computed():
+    sizes = torch.tensor([4, 2, 2, 1])
+    assert packed_slots(sizes, 4, 9).tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 12]
+    assert packed_offsets(sizes).tolist() == [0, 4, 6, 8]
+
+
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_packed_equals_padded(with_gate):
+    """VSA on packed tile-ordered tokens (the processor's layout: no padded slots) gives the padded API's rows,
+    for all query tiles and for a range of them (one rank's tiles), with partial tiles."""
+    layout = make_tile_layout((5, 6, 7), (2, 2, 2))  # 36 tiles, partial ones on every axis
+    (q, k, v), (qt, kt, vt) = _tiled_qkv(layout, batch=2, heads=3, head_dim=8, seed=11)
+    gate = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)) if with_gate else None
+    gate_t = None if gate is None else tile_tokens(gate, layout, dim=2)
+    sizes = layout.block_sizes
+    for start, end in [(0, layout.num_tiles), (7, 20)]:
+        padded = video_sparse_attention(qt[:, :, start:end], kt, vt, q_block_sizes=sizes[start:end],
+                                        kv_block_sizes=sizes, sparsity=0.7,
+                                        gate=None if gate_t is None else gate_t[:, :, start:end])
+        expected = padded.flatten(2, 3)[:, :, (layout.tiled_index.view(-1, layout.tile_volume)[start:end] >= 0)
+                                        .reshape(-1)]
+        packed = video_sparse_attention_packed(
+            _packed(q, layout, start, end), _packed(k, layout), _packed(v, layout), tile_volume=layout.tile_volume,
+            q_block_sizes=sizes[start:end], kv_block_sizes=sizes, sparsity=0.7,
+            gate=None if gate is None else _packed(gate, layout, start, end))
+        torch.testing.assert_close(packed, expected, rtol=0, atol=1e-6)
+
+
+def test_packed_triton_path_on_stand_ins():
+    """The Triton path of the packed API (tile means, tile scores and top-k, fine stage with the gate in its
+    epilogue) run through CPU stand-ins of the two kernels equals the reference backend: offsets, sizes and
+    the coarse output reach the kernels as they must."""
+    from kernel_stand_ins import stand_in_kernels
+
+    layout = make_tile_layout((5, 6, 7), (2, 2, 2))
+    (q, k, v), _ = _tiled_qkv(layout, batch=1, heads=2, head_dim=8, seed=13)
+    gate = torch.randn(q.shape, generator=torch.Generator().manual_seed(14))
+    args = dict(tile_volume=layout.tile_volume, q_block_sizes=layout.block_sizes[3:30],
+                kv_block_sizes=layout.block_sizes, sparsity=0.6, gate=_packed(gate, layout, 3, 30))
+    qp, kp, vp = _packed(q, layout, 3, 30), _packed(k, layout), _packed(v, layout)
+    reference = video_sparse_attention_packed(qp, kp, vp, backend="reference", **args)
+    with stand_in_kernels() as calls:
+        fast = video_sparse_attention_packed(qp, kp, vp, backend="triton", **args)
+    assert (calls["vsa_triton"], calls["vsa_tile_means"]) == (1, 3), dict(calls)
+    torch.testing.assert_close(fast, reference, rtol=0, atol=1e-6)
+
+
+def test_packed_errors():
+    layout = make_tile_layout((3, 5, 2), (2, 2, 2))
+    (q, k, v), _ = _tiled_qkv(layout, batch=1, heads=2, head_dim=8)
+    sizes = layout.block_sizes
+    ok = dict(tile_volume=layout.tile_volume, q_block_sizes=sizes, kv_block_sizes=sizes, sparsity=0.5)
+    with pytest.raises(ValueError, match="sum to the"):
+        video_sparse_attention_packed(q[:, :, 1:], k, v, **ok)
+    with pytest.raises(ValueError, match=r"\[B, H, S, D\]"):
+        video_sparse_attention_packed(q[None], k, v, **ok)
+    with pytest.raises(ValueError, match="gate must have"):
+        video_sparse_attention_packed(q, k, v, gate=q[:, :1], **ok)
+    with pytest.raises(ValueError, match="backend='triton'"):
+        video_sparse_attention_packed(q, k, v, backend="triton", **ok)
+
+
 def test_reference_backend_gradients():
     layout = make_tile_layout((2, 2, 4), (1, 2, 2))  # 4 whole tiles
     _, tiled = _tiled_qkv(layout, batch=1, heads=1, head_dim=4, seed=8, dtype=torch.float64)
@@ -315,16 +384,13 @@ def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernel needs CUDA and Triton")
-@pytest.mark.parametrize("config,tile", [({"tiles_per_step": 2}, (4, 4, 4)), ({"tiles_per_step": 4}, (4, 4, 4)),
-                                         ({"tma": False}, (4, 4, 4)), ({"tma": True}, (4, 4, 4)),
+@pytest.mark.parametrize("config,tile", [({"tma": False}, (4, 4, 4)), ({"tma": True}, (4, 4, 4)),
                                          ({"tma": True, "num_stages": 3}, (4, 4, 4)), ({"tma": False}, (4, 8, 8)),
                                          ({"tma": True}, (4, 8, 8))], ids=str)
-def test_triton_multi_tile_steps_cuda(config, tile):
-    """GPU-only: with several key tiles per step, a top-k that is not a multiple of the step leaves
-    a part-empty last step; its columns must be masked. Also the tensor-descriptor (TMA) variant,
-    which must actually run (Hopper), and ordinary loads at one tile per step (the default where TMA
-    does not apply), both also for 256-slot tiles (row and column blocks of 64). Fine stage against
-    the reference's."""
+def test_triton_fine_stage_configs_cuda(config, tile):
+    """GPU-only: the fine stage at several top-k, with the tensor-descriptor (TMA) loads, which must
+    actually run (Hopper), and with ordinary loads, for 64- and 256-slot tiles (row and column blocks of
+    64). Fine stage against the reference's on the valid rows."""
     from diffusers_sp.kernels.vsa_triton import fine_stage_triton, tma_applies
 
     grid = (5, 10, 9) if tile == (4, 4, 4) else (9, 20, 18)
@@ -333,16 +399,71 @@ def test_triton_multi_tile_steps_cuda(config, tile):
                                  device="cuda")
     scale = 64 ** -0.5
     if config.get("tma"):
-        assert tma_applies(qt, kt, vt), "the TMA variant does not apply on this GPU"
-    for topk in (1, 5, 7):  # never a multiple of 2 or 4
+        assert tma_applies(*(t.flatten(2, 3) for t in (qt, kt, vt))), "the TMA loads do not apply on this GPU"
+    for topk in (1, 5, 7):
         selected = torch.stack([torch.randperm(layout.num_tiles, generator=torch.Generator().manual_seed(i))[:topk]
                                 for i in range(2 * 3 * layout.num_tiles)]).view(2, 3, layout.num_tiles, topk)
         selected = selected.to("cuda")
-        fast = fine_stage_triton(qt, kt, vt, selected, layout.block_sizes, scale,
-                                 config=config)
+        fast = fine_stage_triton(qt, kt, vt, selected, layout.block_sizes, scale, config=config)
         reference = vsa._fine_stage_reference(qt.float(), kt.float(), vt.float(), selected, layout.block_sizes, scale)
         valid = vsa._slot_mask(layout.block_sizes, layout.tile_volume)[None, None, :, :, None]
         torch.testing.assert_close(fast.float() * valid, reference * valid, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernels need CUDA and Triton")
+@pytest.mark.parametrize("layout_kind", ["bshd", "token_major"])
+@pytest.mark.parametrize("tile,head_dim", [((4, 4, 4), 128), ((2, 2, 4), 64), ((4, 8, 8), 128)])
+@pytest.mark.parametrize("tma", [True, False])
+def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
+    """GPU-only: the packed Triton path (tile means kernel, fine stage with the gate in its epilogue) on
+    tile-ordered tokens held as the processor holds them (``[B, S, H, D]`` projections seen as
+    ``[B, H, S, D]``, or the token-major ``[S, B, H, D]`` buffers of the collectives) equals the reference
+    backend, for all query tiles and for a range of them, with and without a gate, TMA and ordinary loads."""
+    from unittest import mock
+
+    from diffusers_sp.kernels import vsa_triton
+
+    grid = (5, 10, 9) if tile[1] < 8 else (9, 20, 18)
+    layout = make_tile_layout(grid, tile)
+    B, H, S = 2, 3, layout.num_tokens
+    gen = torch.Generator().manual_seed(15)
+
+    def held(x):  # [B, H, S, D] values in the memory layout under test
+        if layout_kind == "bshd":
+            return x.transpose(1, 2).contiguous().to("cuda", torch.bfloat16).transpose(1, 2)
+        return x.permute(2, 0, 1, 3).contiguous().to("cuda", torch.bfloat16).permute(1, 2, 0, 3)
+
+    q, k, v, gate = (torch.randn(B, H, S, head_dim, generator=gen) for _ in range(4))
+    sizes = layout.block_sizes
+    config = None if tma else {"tma": False}
+    for start, end in [(0, layout.num_tiles), (5, 12)]:
+        for g in (None, gate):
+            args = dict(tile_volume=layout.tile_volume, q_block_sizes=sizes[start:end].cuda(),
+                        kv_block_sizes=sizes.cuda(), sparsity=0.75)
+            qp, kp, vp = held(_packed(q, layout, start, end)), held(_packed(k, layout)), held(_packed(v, layout))
+            gp = None if g is None else held(_packed(g, layout, start, end))
+            with mock.patch.object(vsa_triton, "DEFAULT_CONFIG", dict(vsa_triton.DEFAULT_CONFIG, **(config or {}))):
+                fast = video_sparse_attention_packed(qp, kp, vp, gate=gp, backend="triton", **args)
+            reference = video_sparse_attention_packed(qp.float(), kp.float(), vp.float(), backend="reference",
+                                                      gate=None if gp is None else gp.float(), **args)
+            assert fast.dtype == torch.bfloat16 and fast.shape == qp.shape
+            torch.testing.assert_close(fast.float(), reference, rtol=2e-2, atol=2e-2)
+    if tma:
+        assert vsa_triton.tma_applies(qp, kp, vp), "the TMA loads do not apply on this GPU"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernels need CUDA and Triton")
+def test_triton_tile_means_cuda():
+    """GPU-only: the tile-means kernel equals the float32 mean of each packed tile's tokens."""
+    from diffusers_sp.kernels.vsa_triton import tile_means_triton
+
+    layout = make_tile_layout((9, 20, 18), (4, 8, 8))
+    x = torch.randn(2, 3, layout.num_tokens, 128, generator=torch.Generator().manual_seed(16)).to("cuda", torch.bfloat16)
+    packed = _packed(x, layout)
+    sizes = layout.block_sizes.to("cuda", torch.int32)
+    means = tile_means_triton(packed, packed_offsets(sizes), sizes, layout.tile_volume)
+    expected = vsa._tile_means(tile_tokens(x.float(), layout, dim=2), sizes.long())
+    torch.testing.assert_close(means, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_requirements_message_names_the_cause():

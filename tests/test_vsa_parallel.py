@@ -100,6 +100,24 @@ def test_vsa_options_need_mode_vsa_and_handle_reports_sp_mode():
     handle.disable()
 
 
+def test_handle_reports_the_vsa_backend():
+    """The handle says which VSA backend runs: the reference one on CPU, the Triton kernels where they apply
+    (stood in for on CPU), none in a dense mode."""
+    from kernel_stand_ins import stand_in_kernels
+
+    model = tiny_wan_transformer()
+    handle = enable_sequence_parallel(model, mode="vsa", vsa_tile_size=(2, 2, 4))
+    try:
+        assert handle.vsa_tile == (2, 2, 4) and handle.vsa_backend() == "reference"
+        with stand_in_kernels():
+            assert handle.vsa_backend() == "triton"
+    finally:
+        handle.disable()
+    handle = enable_sequence_parallel(model, mode="ulysses")
+    assert handle.vsa_backend() is None
+    handle.disable()
+
+
 def test_gate_weights_loading(tmp_path):
     from safetensors.torch import save_file
 

@@ -177,6 +177,36 @@ def tile_range_tokens(layout: TileLayout, tile_start: int, tile_end: int) -> tor
     return slots[slots >= 0]
 
 
+def packed_offsets(block_sizes: torch.Tensor) -> torch.Tensor:
+    """Where each tile starts in a packed tile-ordered sequence (its valid tokens only, tile after tile):
+    the exclusive running sum of ``block_sizes`` (``[N]`` integers), int32 ``[N]`` on the same device."""
+    sizes = block_sizes.to(torch.int32)
+    return torch.cumsum(sizes, 0, dtype=torch.int32) - sizes
+
+
+def packed_slots(block_sizes: torch.Tensor, tile_volume: int, num_tokens: int) -> torch.Tensor:
+    """For each token of a packed tile-ordered sequence of ``num_tokens = sum(block_sizes)`` tokens, its slot
+    in the padded ``[N * V]`` layout: LongTensor ``[num_tokens]`` on block_sizes' device."""
+    sizes = block_sizes.long()
+    tile = torch.repeat_interleave(torch.arange(sizes.shape[0], device=sizes.device), sizes, output_size=num_tokens)
+    start = (torch.cumsum(sizes, 0) - sizes)[tile]
+    return tile * tile_volume + torch.arange(num_tokens, device=sizes.device) - start
+
+
+def pad_tiles(x: torch.Tensor, slots: torch.Tensor, num_tiles: int, tile_volume: int) -> torch.Tensor:
+    """Packed ``[B, H, L, D]`` tile-ordered tokens -> padded tiles ``[B, H, num_tiles, V, D]`` (zero padded
+    slots), ``slots`` from :func:`packed_slots`."""
+    B, H, _, D = x.shape
+    out = x.new_zeros(B, H, num_tiles * tile_volume, D)
+    out.index_copy_(2, slots, x)
+    return out.view(B, H, num_tiles, tile_volume, D)
+
+
+def unpad_tiles(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pad_tiles`: ``[B, H, N, V, D]`` -> packed ``[B, H, L, D]`` (valid slots only)."""
+    return x.flatten(2, 3).index_select(2, slots)
+
+
 def vsa_topk(num_kv_tiles: int, sparsity: float) -> int:
     """Number of key tiles each query tile keeps: ``clamp(ceil((1 - sparsity) * N_kv), 1, N_kv)``.
 

@@ -41,18 +41,22 @@ except ImportError:  # torch without flex_attention
 from .fa4 import fa4_block_sparse_applies, fa4_block_sparse_fine_stage
 # The tile layout and block lists live in .tiles (shared with the FA4 backend); re-exported here, where
 # callers of the attention find them.
-from .tiles import (TileLayout, _check_sparsity, block_lists, make_tile_layout, tile_range_tokens, tile_tokens,
-                    untile_tokens, vsa_topk)
+from .tiles import (TileLayout, _check_sparsity, block_lists, make_tile_layout, packed_offsets, packed_slots,
+                    pad_tiles, tile_range_tokens, tile_tokens, unpad_tiles, untile_tokens, vsa_topk)
+from .vsa_triton import (fine_stage_triton_packed, padded_tiles, tile_means_triton, triton_applies,
+                         triton_requirements)
 
 __all__ = ["BACKENDS", "AUTO_ORDER", "TileLayout", "block_lists", "make_tile_layout", "tile_range_tokens",
-           "tile_tokens", "untile_tokens", "vsa_topk", "video_sparse_attention", "auto_backend"]
-from .vsa_triton import fine_stage_triton, triton_applies, triton_requirements
+           "tile_tokens", "untile_tokens", "vsa_topk", "video_sparse_attention", "video_sparse_attention_packed",
+           "auto_backend", "backend_on"]
 
 BACKENDS = ("auto", "reference", "flex", "triton", "fa4")
 # The order in which backend="auto" tries the fine-stage kernels (the first that applies runs), fastest
 # first as measured at the Wan2.1-1.3B shape on an H200 (sparsity 0.9, bf16; benchmarks/RESULTS.md):
 # Triton 2.53-2.54 ms, flex 3.07-3.16 ms, FA4 block-sparse 3.61-3.69 ms (3.32 ms even with every block
-# passed as full, so at 64 x 64 blocks FA4's block-sparse forward is the slower kernel here).
+# passed as full, so at 64 x 64 blocks FA4's block-sparse forward is the slower kernel here); on an H100
+# at 64-, 128- and 256-slot tiles Triton was fastest too. The packed API runs Triton where it applies and
+# this order otherwise.
 AUTO_ORDER = ("triton", "flex", "fa4", "reference")
 _FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -114,6 +118,16 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.long)
     if backend == "auto":
         backend = auto_backend(q, k, v)
+    q_valid = _slot_mask(q_block_sizes, tile_volume)  # [Nq, V]
+    if backend == "triton":  # the padded tiles read as packed ones (offsets i * V), every query row stored
+        num_q_tiles = q.shape[2]
+        q_offsets, every_row = padded_tiles(num_q_tiles, tile_volume, q.device)
+        kv_offsets, _ = padded_tiles(num_kv_tiles, tile_volume, q.device)
+        out = _triton_vsa(q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), q_tiles=(q_offsets, q_block_sizes),
+                          kv_tiles=(kv_offsets, kv_block_sizes), q_rows=every_row, tile_volume=tile_volume,
+                          sparsity=sparsity, gate=None if gate is None else gate.flatten(2, 3),
+                          scale=scale)
+        return out.unflatten(2, (num_q_tiles, tile_volume)).masked_fill(~q_valid.unsqueeze(-1), 0)
 
     # Coarse stage: tile means and tile-level scores, in float32.
     q_mean = _tile_means(q, q_block_sizes)
@@ -128,8 +142,6 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     # Fine stage: token attention over the selected key tiles.
     if backend == "fa4":
         out = fa4_block_sparse_fine_stage(q, k, v, selected, kv_block_sizes, scale)
-    elif backend == "triton":
-        out = fine_stage_triton(q, k, v, selected, kv_block_sizes, scale)
     elif backend == "flex":
         out = _fine_stage_flex(q, k, v, selected, kv_block_sizes, scale)
     else:
@@ -139,9 +151,82 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         v_mean = _tile_means(v, kv_block_sizes)
         coarse_out = torch.matmul(torch.softmax(scores, dim=-1), v_mean)  # [B, H, Nq, D]
         out = torch.addcmul(out, coarse_out.to(q.dtype).unsqueeze(3), gate.to(q.dtype))
-
-    q_valid = _slot_mask(q_block_sizes, tile_volume)  # [Nq, V]
     return out.masked_fill(~q_valid.unsqueeze(-1), 0)
+
+
+def video_sparse_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, tile_volume: int,
+                                  q_block_sizes: torch.Tensor, kv_block_sizes: torch.Tensor, sparsity: float,
+                                  gate: torch.Tensor | None = None, scale: float | None = None,
+                                  backend: str = "auto") -> torch.Tensor:
+    """VSA (arXiv 2505.13389) on tile-ordered tokens without padding: the tiles of
+    :func:`video_sparse_attention`, each holding only its valid tokens, one after the other.
+
+    This is the layout the VSA processor keeps through the transformer (tokens put in tile order once per
+    forward), so an attention call makes no padded copy of q, k, v, the gate or the output: the Triton
+    backend reads tile ``i`` at the running sum of the sizes before it. The other backends pad to
+    ``[B, H, N, V, D]``, run :func:`video_sparse_attention` and drop the padding again.
+
+    Args:
+        q: ``[B, H, Sq, D]``: the valid tokens of ``Nq`` tiles (any subset of consecutive tiles, e.g. one rank's
+            range), tile after tile, each tile's in the slot order of :func:`make_tile_layout`; any strides.
+        k, v: ``[B, H, Sk, D]``: the valid tokens of all ``Nk`` key tiles, likewise.
+        tile_volume: ``V``, the slots of a whole tile.
+        q_block_sizes: Integer tensor ``[Nq]``, tokens of each query tile, each in ``[1, V]``, summing to
+            ``Sq``; kv_block_sizes: ``[Nk]``, summing to ``Sk``. Checked where they are on the CPU (outside
+            ``torch.compile``); on the GPU they are trusted (a check would wait for the device).
+        sparsity, scale, backend: as for :func:`video_sparse_attention` (``"auto"``: the Triton kernels where
+            :func:`~diffusers_sp.kernels.vsa_triton.triton_applies`, else ``video_sparse_attention``'s choice).
+        gate: None or ``[B, H, Sq, D]``, the per-token weight of the coarse output.
+
+    Returns:
+        ``[B, H, Sq, D]`` in q's dtype (Triton: a view of a token-major ``[Sq, B, H, D]`` buffer).
+
+    Raises:
+        ValueError: tensors not 4-D or with mismatched batch / heads / D / dtype / device, block sizes of the
+            wrong length, dtype or sum, a gate of the wrong shape, ``sparsity`` outside ``[0, 1)``, an unknown
+            backend, or a backend that cannot run on these tensors.
+    """
+    _validate_packed(q, k, v, tile_volume, q_block_sizes, kv_block_sizes, gate, backend)
+    _check_sparsity(sparsity)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if backend in ("auto", "triton") and triton_applies(q, k, v, tile_volume):
+        q_sizes = q_block_sizes.to(device=q.device, dtype=torch.int32)
+        kv_sizes = kv_block_sizes.to(device=q.device, dtype=torch.int32)
+        return _triton_vsa(q, k, v, q_tiles=(packed_offsets(q_sizes), q_sizes),
+                           kv_tiles=(packed_offsets(kv_sizes), kv_sizes), q_rows=q_sizes, tile_volume=tile_volume,
+                           sparsity=sparsity, gate=gate, scale=scale)
+    if backend == "triton":
+        raise ValueError(f"backend='triton': {triton_requirements(q, k, v, tile_volume)}. Use backend='reference', "
+                         "'flex' or 'auto'.")
+    q_slots = packed_slots(q_block_sizes.to(q.device), tile_volume, q.shape[2])
+    kv_slots = packed_slots(kv_block_sizes.to(q.device), tile_volume, k.shape[2])
+    num_q_tiles, num_kv_tiles = q_block_sizes.shape[0], kv_block_sizes.shape[0]
+    out = video_sparse_attention(
+        pad_tiles(q, q_slots, num_q_tiles, tile_volume), pad_tiles(k, kv_slots, num_kv_tiles, tile_volume),
+        pad_tiles(v, kv_slots, num_kv_tiles, tile_volume), q_block_sizes=q_block_sizes, kv_block_sizes=kv_block_sizes,
+        sparsity=sparsity, gate=None if gate is None else pad_tiles(gate, q_slots, num_q_tiles, tile_volume),
+        scale=scale, backend=backend)
+    return unpad_tiles(out, q_slots)
+
+
+def _triton_vsa(q, k, v, *, q_tiles, kv_tiles, q_rows, tile_volume, sparsity, gate, scale):
+    """VSA with the Triton kernels on packed ``[B, H, S, D]`` tiles: tile means (kernel), tile scores and top-k
+    (torch, float32), the fine stage with the gated coarse output in its epilogue (kernel). ``q_tiles`` and
+    ``kv_tiles``: int32 ``(offsets, sizes)``; ``q_rows``: the query rows of each tile to compute and store."""
+    q_tiles, kv_tiles = [tuple(t.to(torch.int32) for t in pair) for pair in (q_tiles, kv_tiles)]
+    q_mean = tile_means_triton(q, *q_tiles, tile_volume)
+    k_mean = tile_means_triton(k, *kv_tiles, tile_volume)
+    # Selection on the unscaled products: a positive scale keeps their order, and one kernel less runs.
+    # torch.topk (radix selection, 0.18 ms at the Wan 1.3B shape on an H100) beat two Triton kernels tried
+    # (a bitonic tl.topk on packed int64 keys, a per-row radix selection in registers: 0.20-0.21 ms).
+    products = torch.matmul(q_mean, k_mean.transpose(-1, -2))  # [B, H, Nq, Nk]
+    selected = products.topk(vsa_topk(kv_tiles[0].shape[0], sparsity), dim=-1, sorted=False).indices
+    coarse = None
+    if gate is not None:
+        coarse = torch.matmul(torch.softmax(products * scale, dim=-1), tile_means_triton(v, *kv_tiles, tile_volume))
+    return fine_stage_triton_packed(q, k, v, selected, q_offsets=q_tiles[0], q_sizes=q_rows.to(torch.int32),
+                                    kv_offsets=kv_tiles[0], kv_sizes=kv_tiles[1], tile_volume=tile_volume,
+                                    scale=scale, gate=None if gate is None else gate.to(q.dtype), coarse=coarse)
 
 
 def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -152,6 +237,18 @@ def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
                "flex": lambda: _flex_applies(q, k, v),
                "reference": lambda: True}
     return next(name for name in AUTO_ORDER if applies[name]())
+
+
+def backend_on(backend: str, device, dtype: torch.dtype, head_dim: int, tile_volume: int) -> str:
+    """The backend ``backend`` (one of :data:`BACKENDS`) resolves to for tensors on ``device`` of ``dtype`` with
+    head dim ``head_dim`` and tiles of ``tile_volume`` slots, without gradient: ``backend`` itself unless it is
+    ``"auto"``, else the first of :data:`AUTO_ORDER` that applies (what :func:`video_sparse_attention_packed`
+    and :func:`video_sparse_attention` run). Reads a one-tile stand-in tensor, no data."""
+    if backend != "auto":
+        return backend
+    probe = torch.empty(1, 1, 1, tile_volume, head_dim, device=device, dtype=dtype)
+    with torch.no_grad():
+        return auto_backend(probe, probe, probe)
 
 
 def _fine_stage_reference(q, k, v, selected, kv_block_sizes, scale):
@@ -284,6 +381,34 @@ def _tile_means(x: torch.Tensor, block_sizes: torch.Tensor) -> torch.Tensor:
 def _slot_mask(block_sizes: torch.Tensor, tile_volume: int) -> torch.Tensor:
     """``[N]`` block sizes -> bool ``[N, V]``, True on valid slots (the first ``block_sizes[i]``)."""
     return torch.arange(tile_volume, device=block_sizes.device) < block_sizes.unsqueeze(-1)
+
+
+def _validate_packed(q, k, v, tile_volume, q_block_sizes, kv_block_sizes, gate, backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown VSA backend {backend!r}; choose one of {BACKENDS}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"packed VSA expects {name} of shape [B, H, S, D], got {tuple(t.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must agree on B, H and D "
+                         "([B, H, Sq, D] and [B, H, Sk, D])")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point() or not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must share one float dtype and device, got {q.dtype}, {k.dtype}, {v.dtype} on "
+                         f"{q.device}, {k.device}, {v.device}")
+    if int(tile_volume) < 1:
+        raise ValueError(f"tile_volume must be >= 1, got {tile_volume}")
+    for name, sizes, tokens in (("q_block_sizes", q_block_sizes, q.shape[2]), ("kv_block_sizes", kv_block_sizes,
+                                                                                k.shape[2])):
+        if sizes.dim() != 1 or sizes.is_floating_point() or sizes.is_complex() or sizes.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor (one entry per tile), got {sizes.dtype} "
+                             f"{tuple(sizes.shape)}")
+        checkable = sizes.device.type == "cpu" and not torch.compiler.is_compiling()
+        if checkable and (int(sizes.sum()) != tokens or bool((sizes < 1).any())
+                                           or bool((sizes > tile_volume).any())):
+            raise ValueError(f"{name} must be in [1, {tile_volume}] and sum to the {tokens} tokens of the "
+                             f"sequence, got sum {int(sizes.sum())}")
+    if gate is not None and gate.shape != q.shape:
+        raise ValueError(f"gate must have q's shape {tuple(q.shape)}, got {tuple(gate.shape)}")
 
 
 def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -> None:

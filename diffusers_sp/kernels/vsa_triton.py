@@ -1,29 +1,39 @@
-"""Triton kernel of VSA's fine stage: block-sparse attention over each query tile's selected key tiles.
+"""Triton kernels of video sparse attention (VSA): the tile means of the coarse stage, and the block-sparse
+fine stage with the gated coarse output added in its epilogue.
 
-The fine stage of video sparse attention (P. Zhang et al., "VSA: Faster Video Diffusion with
-Trainable Sparse Attention", arXiv 2505.13389): every query tile of ``V`` tokens attends, token by
-token, to the ``topk`` key tiles its coarse stage selected, and to nothing else. FastVideo runs it
-with a ThunderKittens kernel; this one is written for Triton from the paper's description and the
-online-softmax recurrence of FlashAttention (T. Dao et al., arXiv 2205.14135 and 2307.08691).
+VSA is "VSA: Faster Video Diffusion with Trainable Sparse Attention" (P. Zhang et al., arXiv 2505.13389):
+every query tile of up to ``V`` tokens attends, token by token, to the ``topk`` key tiles its coarse stage
+selected, and to nothing else. FastVideo runs it with a ThunderKittens kernel; these are written for Triton
+from the paper's description and the online-softmax recurrence of FlashAttention (T. Dao et al., arXiv
+2205.14135 and 2307.08691).
 
-One Triton program computes one (batch, head, query tile): it loads the ``[V, D]`` query tile once,
-then walks the tile's list of selected key tiles, ``TILES_PER_STEP`` tiles per step, keeping the running
-row maximum, row sum and output accumulator in float32 registers. Key slots past a partial tile's
-block size are masked to ``-inf``; the list is read straight from the top-k indices, so no block
-mask is built. Tiles of more than 64 slots (the 128-token ``(4, 4, 8)`` and 256-token ``(4, 8, 8)``
-tilings) are cut into row blocks of 64: one program per (query tile, row block), each key tile walked in
-column blocks of 64, so the register and shared-memory tiles stay those of a 64-slot tile (whole 128-slot
-tiles ran the fine stage in 7.3 ms against 2.8 ms in blocks, H100, benchmarks/RESULTS.md). Forward only (inference). On Hopper and newer a second version of the kernel loads
-every tile through Triton's tensor descriptors, i.e. with the tensor-memory accelerator (TMA), which
-keeps more loads in flight: one tile per step, same arithmetic, bit-identical output.
+Token layout ("packed tiles"): a ``[B, H, S, D]`` tensor, any strides with the last one 1, whose tokens are
+the valid tokens of consecutive tiles, tile ``i`` occupying the ``sizes[i] <= V`` tokens from
+``offsets[i]``. The tile-ordered token shards of the VSA processor are such tensors (``offsets`` the running
+sum of the tile sizes), so an attention call needs no padded copy; the padded ``[B, H, N, V, D]`` tiles of
+:func:`~diffusers_sp.kernels.vsa.video_sparse_attention` are the case ``offsets[i] = i * V``.
 
-Only importable where Triton is (CUDA builds of torch); :func:`triton_applies` says whether the
-kernel can run on given tensors. Under ``torch.compile`` the launch is the custom operator
-``torch.ops.diffusers_sp.vsa_fine_stage_triton`` (the host-side tensor descriptors do not trace), one
-opaque node with a fake implementation for the output's shape; eager calls launch directly.
+Fine stage: one program per (batch, head, query tile, row block of 64 tokens) loads its query rows once,
+then walks the selected key tiles, each in column blocks of 64 (tiles of more than 64 slots: the 128- and
+256-token tilings keep the register and shared-memory tiles of a 64-slot one; whole 128-slot tiles ran the
+fine stage in 7.3 ms against 2.8 ms in blocks, H100, benchmarks/RESULTS.md), keeping the running row
+maximum, row sum and accumulator in float32 registers. Key rows past a tile's size are masked to ``-inf``;
+the list is read straight from the top-k indices, so no block mask is built. On Hopper and newer the query,
+key and value blocks are loaded by the tensor-memory accelerator (TMA) through Triton's host tensor
+descriptors (2.45 ms against 3.07 ms with ordinary loads, H200, Wan 1.3B shape); elsewhere by ordinary
+masked loads. With a gate, the epilogue adds ``coarse_out * gate`` to the normalised output before the
+store, so no separate pass over the output is made. Forward only (inference).
+
+Only importable where Triton is (CUDA builds of torch); :func:`triton_applies` says whether the kernels can
+run on given tensors. Under ``torch.compile`` the launches are the custom operators
+``torch.ops.diffusers_sp.vsa_tile_means_triton`` and ``torch.ops.diffusers_sp.vsa_fine_stage_triton`` (the
+host-side tensor descriptors do not trace), opaque nodes with fake implementations for the outputs' shapes;
+eager calls launch directly.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -42,269 +52,347 @@ _LOG2_E = 1.4426950408889634
 #: Query rows per program and key columns per step: larger tiles are cut into blocks of this many slots.
 _BLOCK = 64
 
-#: Launch configuration measured fastest on an H200 (bf16, V = 64, D = 128, top-63 of 624 tiles;
-#: benchmarks/RESULTS.md): one key tile per step, four warps (one warpgroup), and the tiles loaded by
-#: the tensor-memory accelerator (``tma``) where :func:`tma_applies`, four pipeline stages deep
-#: (2.45 ms against 3.07 ms with ordinary loads at two stages in the same run). ``num_stages=None``
-#: means 4 with TMA and 2 without (ordinary loads: two tiles per step 3.4 ms, eight warps 5.4-7.0 ms).
-#: A later sweep timed 5 and 6 TMA stages at 2.20 and 2.19 ms (4: 2.33-2.48 ms); they are not the
-#: default because the GPU tests have not run with them.
-DEFAULT_CONFIG = {"tiles_per_step": 1, "num_warps": 4, "num_stages": None, "tma": True}
+#: Launch configuration measured fastest on Hopper (bf16, V = 64, D = 128, top-63 of 624 tiles;
+#: benchmarks/RESULTS.md): four warps (one warpgroup), one key block per step, loaded by the tensor-memory
+#: accelerator (``tma``) where :func:`tma_applies`, five pipeline stages deep (H200: 2.20 ms against 2.33-2.48
+#: at four; H100: 2.44 against 2.76); ``num_stages=None`` means 5 with TMA and 2 with ordinary loads (eight
+#: warps ran 5.4-7.0 ms against 3.1 ms). ``warp_specialize``: Triton's producer / consumer warp partitions
+#: of the key loop (``tl.range(warp_specialize=True)``), for benchmarks: slower here (H200: 4.0-4.9 ms against
+#: 2.35-2.45), as were two key blocks per step sharing one rescale of the accumulator (3.5-3.8 ms).
+DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False}
 
 
-def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether :func:`fine_stage_triton` can run on tiled ``q``, ``k``, ``v`` of ``[B, H, N, V, D]``.
+def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int | None = None) -> bool:
+    """Whether the Triton kernels can run on ``q``, ``k``, ``v`` (tiled ``[B, H, N, V, D]``, or packed
+    ``[B, H, S, D]`` with ``tile_volume`` given).
 
-    Needs Triton, CUDA tensors, bfloat16 or float16, a power-of-two tile volume ``V`` in [16, 256]
-    and head dim ``D`` in {32, 64, 128} (register tile sizes), and no gradient (forward only).
+    Needs Triton, CUDA tensors, bfloat16 or float16, a power-of-two tile volume ``V`` in [16, 256] and head
+    dim ``D`` in {32, 64, 128} (register tile sizes), and no gradient (forward only).
     """
     if triton is None or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    tile_volume, head_dim = q.shape[-2], q.shape[-1]
+    tile_volume = q.shape[-2] if tile_volume is None else tile_volume
+    head_dim = q.shape[-1]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     power_of_two = tile_volume & (tile_volume - 1) == 0
     return power_of_two and 16 <= tile_volume <= 256 and head_dim in (32, 64, 128) and not needs_grad
 
 
-def tma_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the tensor-descriptor (TMA) variant of the kernel can run: :func:`triton_applies`,
-    Triton's host tensor descriptors, a GPU of compute capability 9.0 or newer, and fewer than 2**31
-    rows of ``V`` tokens in q, k and v (TMA coordinates are 32-bit)."""
-    if not triton_applies(q, k, v) or TensorDescriptor is None:
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] < 9:
-        return False
-    return max(t.numel() // t.shape[-1] for t in (q, k, v)) < 2 ** 31
-
-
-def triton_requirements(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """The message of the error raised where :func:`triton_applies` is false: what the kernel needs
-    and what these tensors are."""
+def triton_requirements(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int | None = None) -> str:
+    """The message of the error raised where :func:`triton_applies` is false: what the kernels need and what
+    these tensors are."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    tile_volume = q.shape[-2] if tile_volume is None else tile_volume
     return ("the Triton VSA kernel needs Triton, CUDA bfloat16/float16 tensors without gradient, a "
             "power-of-two tile volume V in [16, 256] and head dim D of 32, 64 or 128; got "
             f"Triton {'importable' if triton is not None else 'not installed'}, device {q.device}, {q.dtype}, "
-            f"V={q.shape[-2]}, D={q.shape[-1]}, requires_grad={grad}")
+            f"V={tile_volume}, D={q.shape[-1]}, requires_grad={grad}")
+
+
+def _row_view(t: torch.Tensor):
+    """How a ``[B, H, S, D]`` tensor reads as a 2-D table of rows ``s * stride(2)`` apart, for a TMA descriptor.
+
+    Returns ``(rows, cols, (row_b, row_h, col_b, col_h))``: element ``[b, h, s, :]`` is row
+    ``b * row_b + h * row_h + s``, columns from ``b * col_b + h * col_h``, of a ``[rows, cols]`` table with row
+    stride ``stride(2)`` starting at ``t``'s first element; or None where the strides do not allow it (a
+    batch or head stride that is neither a multiple of the token stride nor inside one token row).
+    """
+    B, H, S, D = t.shape
+    s_row = t.stride(2)
+    coeffs, rows, cols = [], S, D
+    for size, stride in ((B, t.stride(0)), (H, t.stride(1))):
+        if size == 1:
+            coeffs += [0, 0]
+        elif stride % s_row == 0:
+            coeffs += [stride // s_row, 0]
+            rows += (size - 1) * stride // s_row
+        else:
+            coeffs += [0, stride]
+            cols += (size - 1) * stride
+    if cols > s_row and S > 1:
+        return None
+    return rows, cols, (coeffs[0], coeffs[2], coeffs[1], coeffs[3])
+
+
+def tma_applies(*tensors: torch.Tensor) -> bool:
+    """Whether the tensor-descriptor (TMA) loads can serve these packed ``[B, H, S, D]`` tensors: Triton's
+    host tensor descriptors, a GPU of compute capability 9.0 or newer, and for each tensor a 2-D row view
+    (:func:`_row_view`) with 16-byte aligned start and row stride and fewer than 2**31 rows."""
+    if TensorDescriptor is None or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    for t in tensors:
+        view = _row_view(t)
+        if view is None or view[0] >= 2 ** 31 or (t.stride(2) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def tile_means_triton(x: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, tile_volume: int) -> torch.Tensor:
+    """Mean of each tile's tokens (VSA's coarse-stage pooling) over packed tiles.
+
+    Args:
+        x: ``[B, H, S, D]`` bfloat16/float16 CUDA tensor, the last stride 1: tile ``i``'s tokens are
+            ``x[:, :, offsets[i]:offsets[i] + sizes[i]]``.
+        offsets, sizes: int32 tensors ``[N]`` on x's device, each size in ``[1, tile_volume]``.
+        tile_volume: ``V``, a power of two in [16, 256].
+
+    Returns:
+        ``[B, H, N, D]`` float32 (sums in float32, divided by the size).
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.diffusers_sp.vsa_tile_means_triton(x, offsets, sizes, tile_volume)
+    return _launch_means(x, offsets, sizes, tile_volume)
+
+
+def fine_stage_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor, *,
+                             q_offsets: torch.Tensor, q_sizes: torch.Tensor, kv_offsets: torch.Tensor,
+                             kv_sizes: torch.Tensor, tile_volume: int, scale: float,
+                             gate: torch.Tensor | None = None, coarse: torch.Tensor | None = None,
+                             config: dict | None = None) -> torch.Tensor:
+    """VSA's fine stage on packed tiles, with the gated coarse output added in the epilogue.
+
+    Args:
+        q: ``[B, H, Sq, D]`` queries of ``Nq`` packed tiles (module docstring), bfloat16/float16, CUDA,
+            last stride 1.
+        k, v: ``[B, H, Sk, D]`` keys and values of ``Nk`` packed tiles, same dtype and device.
+        selected: Integer tensor ``[B, H, Nq, topk]`` of key-tile indices in ``[0, Nk)`` (distinct per query
+            tile; order does not matter).
+        q_offsets, q_sizes: int32 ``[Nq]``: where each query tile starts in ``Sq`` and how many of its rows
+            are computed and stored (``[1, V]``); rows past them are left as they are in the output.
+        kv_offsets, kv_sizes: int32 ``[Nk]``, the same for the key tiles; key rows past a size are masked.
+        tile_volume: ``V``.
+        scale: Softmax scale.
+        gate: None or ``[B, H, Sq, D]`` in q's dtype (any strides, last 1): with ``coarse``, the output is
+            ``fine + coarse * gate`` (each factor rounded to q's dtype first, as the reference's ``addcmul``).
+        coarse: ``[B, H, Nq, D]`` float32, the coarse stage's output per query tile; given with ``gate``.
+        config: Launch options overriding :data:`DEFAULT_CONFIG`, for benchmarks and tests.
+
+    Returns:
+        ``[B, H, Sq, D]`` in q's dtype: contiguous where q is, else a view of a token-major ``[Sq, B, H, D]``
+        buffer (Ulysses' second all-to-all and the model's ``[B, S, H * D]`` output read it without a copy at
+        batch 1).
+
+    Raises:
+        ValueError: :func:`triton_applies` is false for these tensors, or only one of ``gate`` and ``coarse``
+            is given.
+    """
+    if not triton_applies(q, k, v, tile_volume):
+        raise ValueError(triton_requirements(q, k, v, tile_volume))
+    if (gate is None) != (coarse is None):
+        raise ValueError("fine_stage_triton_packed: give gate and coarse together, or neither")
+    if config is None and torch.compiler.is_compiling():
+        return torch.ops.diffusers_sp.vsa_fine_stage_triton(q, k, v, selected, q_offsets, q_sizes, kv_offsets,
+                                                            kv_sizes, tile_volume, scale, gate, coarse)
+    return _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse,
+                   config)
 
 
 def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor,
                       kv_block_sizes: torch.Tensor, scale: float, *, config: dict | None = None) -> torch.Tensor:
-    """Block-sparse attention of each query tile over its selected key tiles (VSA's fine stage).
+    """VSA's fine stage on padded tiles (:func:`fine_stage_triton_packed` with ``offsets[i] = i * V``).
 
     Args:
-        q: Tiled queries ``[B, H, Nq, V, D]``, bfloat16 or float16, CUDA; any strides with the last
-            dim contiguous.
-        k, v: Tiled keys and values ``[B, H, Nk, V, D]``, same dtype and device; padded key slots
-            may hold any finite value (they are masked; a NaN or Inf in a padded V slot would still
-            reach the output through ``0 * x``, as in the reference).
-        selected: Integer tensor ``[B, H, Nq, topk]`` of key-tile indices in ``[0, Nk)`` (distinct
-            per query tile; order does not matter).
-        kv_block_sizes: Integer tensor ``[Nk]``, valid tokens of each key tile, each in ``[1, V]``;
-            slots ``j >= kv_block_sizes[i]`` of tile ``i`` are masked.
-        scale: Softmax scale.
-        config: Launch options overriding :data:`DEFAULT_CONFIG` (``tiles_per_step`` in
-            {1, 2, 4} with ``V * tiles_per_step <= 256``, 1 for ``V = 256``, ``num_warps``, ``num_stages``, ``tma``:
-            load the tiles with the Hopper tensor-memory accelerator through Triton's tensor
-            descriptors, used with one tile per step where :func:`tma_applies`, else ordinary
-            loads), for benchmarks and tests.
+        q: Tiled queries ``[B, H, Nq, V, D]``, bfloat16/float16, CUDA.
+        k, v: Tiled keys and values ``[B, H, Nk, V, D]``; padded key slots are masked.
+        selected: ``[B, H, Nq, topk]`` key-tile indices; kv_block_sizes: integer ``[Nk]``; scale: softmax scale.
+        config: Launch options overriding :data:`DEFAULT_CONFIG`.
 
     Returns:
-        ``[B, H, Nq, V, D]`` contiguous, q's dtype: softmax over the selected key slots, float32
-        accumulation. Rows of padded query slots hold the attention of whatever the slot holds (the
-        caller zeroes them).
+        ``[B, H, Nq, V, D]`` in q's dtype; rows of padded query slots hold the attention of whatever the slot
+        holds (the caller zeroes them).
 
     Raises:
-        ValueError: :func:`triton_applies` is false for these tensors, or ``config`` has an invalid
-            ``tiles_per_step``.
+        ValueError: :func:`triton_applies` is false for these tensors.
     """
     if not triton_applies(q, k, v):
         raise ValueError(triton_requirements(q, k, v))
-    if config is None and torch.compiler.is_compiling():
-        return torch.ops.diffusers_sp.vsa_fine_stage_triton(q, k, v, selected, kv_block_sizes, scale)
-    return _launch(q, k, v, selected, kv_block_sizes, scale, config)
+    num_q_tiles, tile_volume = q.shape[2], q.shape[3]
+    q_offsets, q_sizes = padded_tiles(num_q_tiles, tile_volume, q.device)
+    kv_offsets, _ = padded_tiles(k.shape[2], tile_volume, q.device)
+    out = fine_stage_triton_packed(
+        q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), selected, q_offsets=q_offsets, q_sizes=q_sizes,
+        kv_offsets=kv_offsets, kv_sizes=kv_block_sizes.to(device=q.device, dtype=torch.int32),
+        tile_volume=tile_volume, scale=scale, config=config)
+    return out.unflatten(2, (num_q_tiles, tile_volume))
 
 
-def _launch(q, k, v, selected, kv_block_sizes, scale, config):
-    """Launches the kernel (see :func:`fine_stage_triton`); ``[B, H, Nq, V, D]`` contiguous."""
+def padded_tiles(num_tiles: int, tile_volume: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 ``(offsets, sizes)`` of ``num_tiles`` padded tiles read as packed ones: ``i * V`` and ``V``."""
+    offsets = torch.arange(num_tiles, device=device, dtype=torch.int32) * tile_volume
+    return offsets, torch.full_like(offsets, tile_volume)
+
+
+def _output_like(q: torch.Tensor) -> torch.Tensor:
+    """The fine stage's output buffer: contiguous where q is (padded tiles), else token-major ``[S, B, H, D]``
+    seen as ``[B, H, S, D]`` (the layout the model and Ulysses' second all-to-all read without a copy)."""
+    if q.is_contiguous():
+        return torch.empty_like(q)
+    B, H, S, D = q.shape
+    return q.new_empty((S, B, H, D)).permute(1, 2, 0, 3)
+
+
+def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse, config):
+    """Launches the fine-stage kernel (see :func:`fine_stage_triton_packed`)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
-    batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
-    if cfg["tiles_per_step"] not in (1, 2, 4) or tile_volume * cfg["tiles_per_step"] > 256:
-        raise ValueError(f"tiles_per_step must be 1, 2 or 4 with V * tiles_per_step <= 256; got "
-                         f"{cfg['tiles_per_step']} with V = {tile_volume}")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    selected = selected.contiguous()
-    kv_block_sizes = kv_block_sizes.to(device=q.device, dtype=torch.int32).contiguous()
-    out = torch.empty((batch, heads, num_q_tiles, tile_volume, head_dim), device=q.device, dtype=q.dtype)
-    topk = selected.shape[-1]
-    # Rows per program, and key columns per step (four TMA stages of 128-slot key and value blocks would
-    # overflow shared memory at D = 128).
+    B, H, _, D = q.shape
+    num_q_tiles = q_offsets.shape[0]
+    out = _output_like(q)
     block = min(tile_volume, _BLOCK)
-    grid = (num_q_tiles * (tile_volume // block), batch * heads)
-    use_tma = cfg["tma"] and cfg["tiles_per_step"] == 1 and tma_applies(q, k, v)
-    stages = cfg["num_stages"] or (4 if use_tma else 2)
-    if use_tma:
-        flat = [t.contiguous().view(-1, head_dim) for t in (q, k, v, out)]  # [rows, D]; out is contiguous
-        descs = [TensorDescriptor.from_tensor(t, [block, head_dim]) for t in flat]
-        _vsa_fine_kernel_tma[grid](
-            *descs, selected, kv_block_sizes, *selected.stride(), heads, num_q_tiles, k.shape[2], topk,
-            scale * _LOG2_E, TILE=tile_volume, HEAD_DIM=head_dim, BLOCK=block,
-            num_warps=cfg["num_warps"], num_stages=stages)
-        return out
-    if tile_volume > block:
-        _vsa_fine_kernel_blocks[grid](
-            q, k, v, out, selected, kv_block_sizes,
-            *q.stride()[:4], *k.stride()[:4], *v.stride()[:4], *out.stride()[:4], *selected.stride(),
-            heads, topk, scale * _LOG2_E, TILE=tile_volume, HEAD_DIM=head_dim, BLOCK=block,
-            num_warps=cfg["num_warps"], num_stages=stages)
-        return out
+    selected = selected.contiguous()
+    use_tma = cfg["tma"] and tma_applies(q, k, v)
+    stages = cfg["num_stages"] or (5 if use_tma else 2)
+    operands = []
+    for t in (q, k, v):
+        if use_tma:
+            rows, cols, coeffs = _row_view(t)
+            table = t.as_strided((rows, cols), (t.stride(2), 1))
+            operands += [TensorDescriptor(table, [rows, cols], [t.stride(2), 1], [block, D]), *coeffs, t.stride(2)]
+        else:  # element [b, h, s] at row s of column offset b * stride(0) + h * stride(1)
+            operands += [t, 0, 0, t.stride(0), t.stride(1), t.stride(2)]
+    has_gate = gate is not None
+    gate_args = (gate, *gate.stride()[:3]) if has_gate else (out, 0, 0, 0)
+    coarse_args = (coarse, *coarse.stride()[:3]) if has_gate else (out, 0, 0, 0)
+    grid = (num_q_tiles * (tile_volume // block), B * H)
     _vsa_fine_kernel[grid](
-        q, k, v, out, selected, kv_block_sizes,
-        *q.stride()[:4], *k.stride()[:4], *v.stride()[:4], *out.stride()[:4], *selected.stride(),
-        heads, topk, scale * _LOG2_E,  # the kernel uses exp2
-        TILE=tile_volume, HEAD_DIM=head_dim, TILES_PER_STEP=cfg["tiles_per_step"],
-        num_warps=cfg["num_warps"], num_stages=stages)
+        *operands, out, *out.stride()[:3], *gate_args, *coarse_args, selected, *selected.stride(),
+        q_offsets, q_sizes, kv_offsets, kv_sizes, H, selected.shape[-1], scale * _LOG2_E,  # the kernel uses exp2
+        TILE=tile_volume, HEAD_DIM=D, BLOCK=block, TMA=use_tma, HAS_GATE=has_gate,
+        WARP_SPECIALIZE=cfg["warp_specialize"], num_warps=cfg["num_warps"], num_stages=stages)
+    return out
+
+
+def _launch_means(x, offsets, sizes, tile_volume):
+    """Launches the tile-mean kernel (see :func:`tile_means_triton`)."""
+    B, H, _, D = x.shape
+    num_tiles = offsets.shape[0]
+    out = torch.empty((B, H, num_tiles, D), device=x.device, dtype=torch.float32)
+    _tile_mean_kernel[(num_tiles, B * H)](
+        x, out, offsets, sizes, *x.stride()[:3], *out.stride()[:3], H,
+        TILE=tile_volume, HEAD_DIM=D, BLOCK=min(tile_volume, _BLOCK), num_warps=4)
     return out
 
 
 @torch.library.custom_op("diffusers_sp::vsa_fine_stage_triton", mutates_args=())
 def _fine_stage_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor,
-                   kv_block_sizes: torch.Tensor, scale: float) -> torch.Tensor:
-    return _launch(q, k, v, selected, kv_block_sizes, scale, None)
+                   q_offsets: torch.Tensor, q_sizes: torch.Tensor, kv_offsets: torch.Tensor, kv_sizes: torch.Tensor,
+                   tile_volume: int, scale: float, gate: Optional[torch.Tensor],
+                   coarse: Optional[torch.Tensor]) -> torch.Tensor:
+    return _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse,
+                   None)
 
 
 @_fine_stage_op.register_fake
-def _(q, k, v, selected, kv_block_sizes, scale):
-    return q.new_empty(q.shape)
+def _(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse):
+    return _output_like(q)
+
+
+@torch.library.custom_op("diffusers_sp::vsa_tile_means_triton", mutates_args=())
+def _tile_means_op(x: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, tile_volume: int) -> torch.Tensor:
+    return _launch_means(x, offsets, sizes, tile_volume)
+
+
+@_tile_means_op.register_fake
+def _(x, offsets, sizes, tile_volume):
+    return x.new_empty((x.shape[0], x.shape[1], offsets.shape[0], x.shape[3]), dtype=torch.float32)
 
 
 if triton is not None:
 
     @triton.jit
-    def _vsa_fine_kernel(Q, K, V, Out, Sel, KVSizes,
-                         s_qb, s_qh, s_qn, s_qv, s_kb, s_kh, s_kn, s_kv, s_vb, s_vh, s_vn, s_vv,
-                         s_ob, s_oh, s_on, s_ov, s_sb, s_sh, s_sn, s_sk,
-                         num_heads, topk, scale_log2,
-                         TILE: tl.constexpr, HEAD_DIM: tl.constexpr, TILES_PER_STEP: tl.constexpr):
-        # 64-bit offsets: a [B, H, N, V, D] tensor may have more than 2**31 elements.
-        q_tile = tl.program_id(0).to(tl.int64)
-        bh = tl.program_id(1).to(tl.int64)
-        b = bh // num_heads
-        h = bh % num_heads
-        BLOCK_N: tl.constexpr = TILE * TILES_PER_STEP
-        rows = tl.arange(0, TILE)
-        cols = tl.arange(0, BLOCK_N)
-        dims = tl.arange(0, HEAD_DIM)
-        slot = cols % TILE          # slot inside its key tile
-        which = cols // TILE        # which of this step's tiles a key column belongs to
-
-        q_ptrs = Q + b * s_qb + h * s_qh + q_tile * s_qn + rows[:, None] * s_qv + dims[None, :]
-        q = tl.load(q_ptrs)
-        k_base = K + b * s_kb + h * s_kh
-        v_base = V + b * s_vb + h * s_vh
-        sel_base = Sel + b * s_sb + h * s_sh + q_tile * s_sn
-
-        m_i = tl.full([TILE], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([TILE], dtype=tl.float32)
-        acc = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
-        for start in range(0, topk, TILES_PER_STEP):
-            pick = start + which
-            in_list = pick < topk
-            kv_tile = tl.load(sel_base + pick * s_sk, mask=in_list, other=0).to(tl.int64)
-            n_valid = tl.load(KVSizes + kv_tile, mask=in_list, other=0)
-            key_ok = slot < n_valid  # False for padded slots and for a step past the list's end
-            k = tl.load(k_base + kv_tile[:, None] * s_kn + slot[:, None] * s_kv + dims[None, :])
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vals = tl.load(v_base + kv_tile[:, None] * s_vn + slot[:, None] * s_vv + dims[None, :])
-            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
-            m_i = m_new
-        acc = acc / l_i[:, None]
-        o_ptrs = Out + b * s_ob + h * s_oh + q_tile * s_on + rows[:, None] * s_ov + dims[None, :]
-        tl.store(o_ptrs, acc.to(Out.dtype.element_ty))
+    def _key_block(K, V, KOff, KSizes, sel_base, s_sk, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, rows, dims,
+                   PARTS: tl.constexpr, BLOCK: tl.constexpr, TMA: tl.constexpr):
+        # Key and value rows of entry `entry` of the (selected tile, column block) list, and which of them count.
+        part = entry % PARTS * BLOCK
+        kv_tile = tl.load(sel_base + (entry // PARTS) * s_sk)
+        kv_start = tl.load(KOff + kv_tile) + part
+        key_ok = part + rows < tl.load(KSizes + kv_tile)
+        if TMA:
+            k = K.load([k_row0 + kv_start, k_col.to(tl.int32)])
+            vals = V.load([v_row0 + kv_start, v_col.to(tl.int32)])
+        else:
+            k = tl.load(K + (k_row0 + kv_start + rows).to(tl.int64)[:, None] * s_k + k_col + dims[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            vals = tl.load(V + (v_row0 + kv_start + rows).to(tl.int64)[:, None] * s_v + v_col + dims[None, :],
+                           mask=key_ok[:, None], other=0.0)
+        return k, vals, key_ok
 
     @triton.jit
-    def _vsa_fine_kernel_tma(q_desc, k_desc, v_desc, o_desc, Sel, KVSizes, s_sb, s_sh, s_sn, s_sk,
-                             num_heads, num_q_tiles, num_kv_tiles, topk, scale_log2,
-                             TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-        # The same recurrence as _vsa_fine_kernel, one key tile per step, with every tile moved by
-        # the tensor-memory accelerator: q, k, v and out are [rows of TILE tokens, HEAD_DIM] 2-D
-        # views, tile i of (batch, head) bh at row (bh * num_tiles + i) * TILE. A program holds BLOCK
-        # rows of its query tile (BLOCK = min(TILE, 64)) and walks each key tile in BLOCK
-        # columns.
+    def _vsa_fine_kernel(Q, q_rb, q_rh, q_cb, q_ch, s_q, K, k_rb, k_rh, k_cb, k_ch, s_k,
+                         V, v_rb, v_rh, v_cb, v_ch, s_v, Out, s_ob, s_oh, s_os,
+                         Gate, s_gb, s_gh, s_gs, Coarse, s_cb, s_ch, s_cn,
+                         Sel, s_sb, s_sh, s_sn, s_sk, QOff, QSizes, KOff, KSizes,
+                         num_heads, topk, scale_log2,
+                         TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                         TMA: tl.constexpr, HAS_GATE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        # Q, K, V: TMA descriptors of 2-D row views (TMA) or base pointers; element [b, h, s, :] of each is
+        # row (b * rb + h * rh + s), columns from (b * cb + h * ch), rows s_* elements apart.
         PARTS: tl.constexpr = TILE // BLOCK
         q_tile = tl.program_id(0) // PARTS
         q_row = tl.program_id(0) % PARTS * BLOCK
         bh = tl.program_id(1)
         b = bh // num_heads
         h = bh % num_heads
-        cols = tl.arange(0, BLOCK)
-        q = q_desc.load([(bh * num_q_tiles + q_tile) * TILE + q_row, 0])
+        rows = tl.arange(0, BLOCK)
+        dims = tl.arange(0, HEAD_DIM)
+        q_start = tl.load(QOff + q_tile)
+        q_count = tl.load(QSizes + q_tile)
+        q_first = b * q_rb + h * q_rh + q_start + q_row
+        if TMA:
+            q = Q.load([q_first, b * q_cb + h * q_ch])
+        else:
+            q = tl.load(Q + (q_first + rows).to(tl.int64)[:, None] * s_q + (b * q_cb + h * q_ch).to(tl.int64)
+                        + dims[None, :], mask=(q_row + rows < q_count)[:, None], other=0.0)
+        k_row0 = b * k_rb + h * k_rh
+        k_col = (b * k_cb + h * k_ch).to(tl.int64)
+        v_row0 = b * v_rb + h * v_rh
+        v_col = (b * v_cb + h * v_ch).to(tl.int64)
         sel_base = Sel + b.to(tl.int64) * s_sb + h.to(tl.int64) * s_sh + q_tile.to(tl.int64) * s_sn
-        kv_row0 = bh * num_kv_tiles
         m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK], dtype=tl.float32)
         acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
-        # One loop over (selected tile, column block) pairs, so that the pipeliner keeps one block's loads
-        # per stage. A column block of padded slots only (part * BLOCK >= n_valid) adds nothing: its scores
-        # are -inf and the running maximum is finite from a tile's first block on.
-        for step in range(0, topk * PARTS):
-            part = step % PARTS
-            kv_tile = tl.load(sel_base + (step // PARTS) * s_sk).to(tl.int32)
-            n_valid = tl.load(KVSizes + kv_tile)
-            k = k_desc.load([(kv_row0 + kv_tile) * TILE + part * BLOCK, 0])
+        # One loop over the (selected tile, column block) entries, so that the pipeliner keeps one entry's loads
+        # per stage. A column block of masked rows only (a partial tile's) adds nothing: its scores are -inf and
+        # the running maximum is finite from the first entry on (every tile has at least one token).
+        entries = topk * PARTS
+        for entry in tl.range(0, entries, warp_specialize=WARP_SPECIALIZE):
+            k, vals, key_ok = _key_block(K, V, KOff, KSizes, sel_base, s_sk, entry, k_row0, k_col, v_row0, v_col,
+                                         s_k, s_v, rows, dims, PARTS, BLOCK, TMA)
             s = tl.dot(q, tl.trans(k)) * scale_log2
-            s = tl.where((part * BLOCK + cols < n_valid)[None, :], s, float("-inf"))
+            s = tl.where(key_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            vals = v_desc.load([(kv_row0 + kv_tile) * TILE + part * BLOCK, 0])
             acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
             m_i = m_new
-        acc = acc / l_i[:, None]
-        o_desc.store([(bh * num_q_tiles + q_tile) * TILE + q_row, 0], acc.to(q.dtype))
+        out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
+        tokens = (q_start + q_row + rows).to(tl.int64)
+        row_ok = (q_row + rows < q_count)[:, None]
+        if HAS_GATE:  # the reference's addcmul(fine, coarse, gate), each operand in the output dtype
+            g = tl.load(Gate + b.to(tl.int64) * s_gb + h.to(tl.int64) * s_gh + tokens[:, None] * s_gs + dims[None, :],
+                        mask=row_ok, other=0.0)
+            c = tl.load(Coarse + b.to(tl.int64) * s_cb + h.to(tl.int64) * s_ch + q_tile.to(tl.int64) * s_cn + dims)
+            c = c.to(Out.dtype.element_ty).to(tl.float32)
+            out = (out.to(tl.float32) + c[None, :] * g.to(tl.float32)).to(Out.dtype.element_ty)
+        tl.store(Out + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + tokens[:, None] * s_os + dims[None, :], out,
+                 mask=row_ok)
 
     @triton.jit
-    def _vsa_fine_kernel_blocks(Q, K, V, Out, Sel, KVSizes,
-                                s_qb, s_qh, s_qn, s_qv, s_kb, s_kh, s_kn, s_kv, s_vb, s_vh, s_vn, s_vv,
-                                s_ob, s_oh, s_on, s_ov, s_sb, s_sh, s_sn, s_sk,
-                                num_heads, topk, scale_log2,
-                                TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-        # _vsa_fine_kernel_tma with ordinary loads, for tiles larger than BLOCK where TMA does not apply.
-        PARTS: tl.constexpr = TILE // BLOCK
-        q_tile = (tl.program_id(0) // PARTS).to(tl.int64)
-        q_row = tl.program_id(0) % PARTS * BLOCK
-        bh = tl.program_id(1).to(tl.int64)
-        b = bh // num_heads
-        h = bh % num_heads
-        rows = q_row + tl.arange(0, BLOCK)
-        cols = tl.arange(0, BLOCK)
+    def _tile_mean_kernel(X, Out, Off, Sizes, s_xb, s_xh, s_xs, s_ob, s_oh, s_on, num_heads,
+                          TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per (tile, batch * head): the float32 sum of the tile's rows, divided by its size.
+        tile = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // num_heads).to(tl.int64)
+        h = (bh % num_heads).to(tl.int64)
+        start = tl.load(Off + tile)
+        count = tl.load(Sizes + tile)
+        rows = tl.arange(0, BLOCK)
         dims = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + b * s_qb + h * s_qh + q_tile * s_qn + rows[:, None] * s_qv + dims[None, :])
-        k_base = K + b * s_kb + h * s_kh
-        v_base = V + b * s_vb + h * s_vh
-        sel_base = Sel + b * s_sb + h * s_sh + q_tile * s_sn
-        m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK], dtype=tl.float32)
-        acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
-        for step in range(0, topk * PARTS):
-            slot = step % PARTS * BLOCK + cols
-            kv_tile = tl.load(sel_base + (step // PARTS) * s_sk).to(tl.int64)
-            n_valid = tl.load(KVSizes + kv_tile)
-            k = tl.load(k_base + kv_tile * s_kn + slot[:, None] * s_kv + dims[None, :])
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-            s = tl.where((slot < n_valid)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vals = tl.load(v_base + kv_tile * s_vn + slot[:, None] * s_vv + dims[None, :])
-            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
-            m_i = m_new
-        acc = acc / l_i[:, None]
-        tl.store(Out + b * s_ob + h * s_oh + q_tile * s_on + rows[:, None] * s_ov + dims[None, :],
-                 acc.to(Out.dtype.element_ty))
+        base = X + b * s_xb + h * s_xh
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for first in tl.static_range(0, TILE, BLOCK):
+            x = tl.load(base + (start + first + rows).to(tl.int64)[:, None] * s_xs + dims[None, :],
+                        mask=(first + rows < count)[:, None], other=0.0)
+            acc += tl.sum(x.to(tl.float32), 0)
+        tl.store(Out + b * s_ob + h * s_oh + tile.to(tl.int64) * s_on + dims, acc / count.to(tl.float32))

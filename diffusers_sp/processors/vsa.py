@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from diffusers.hooks import ModelHook
 
-from ..kernels.vsa import make_tile_layout, video_sparse_attention
+from ..kernels.vsa import make_tile_layout, video_sparse_attention_packed
 from ..shards import TokenOrder, balanced_sizes
 from ..errors import SequenceParallelConfigError
 from .base import SequenceParallelAttnProcessor
@@ -57,26 +57,22 @@ class TilePlan:
             first ``N mod P`` ranks one tile more).
         order: The :class:`~diffusers_sp.shards.TokenOrder`: tile order, tokens per rank.
         block_sizes: ``LongTensor [N]`` valid tokens per tile, on the device.
-        slots: ``LongTensor``: for the valid tokens of all tiles, in tile order, their slot in the
-            padded ``[N * V]`` layout, on the device.
-        rank_slots: Per rank, the same for its own tiles, relative to its first tile.
         chunk_ranges: Per Ulysses group of a hybrid mesh (``ulysses_degree`` consecutive ranks), the
             ``(start, end)`` of its tiles: its ranks' ranges joined.
-        chunk_slots: Per Ulysses group, the slots of its tiles, relative to its first tile.
+
+    The tokens of a rank (and of a chunk) are its tiles' valid tokens, tile after tile: the packed layout of
+    :func:`~diffusers_sp.kernels.vsa.video_sparse_attention_packed`, which attention reads as it is.
     """
 
     layout: object
     ranges: tuple
     order: TokenOrder
     block_sizes: torch.Tensor
-    slots: torch.Tensor
-    rank_slots: tuple
     chunk_ranges: tuple = ()
-    chunk_slots: tuple = ()
 
 
 # A constant while torch.compile traces (the plan's index tensors enter the graph as constants): the
-# building uses nonzero and boolean indexing, data-dependent shapes that would break the graph.
+# building uses boolean indexing, data-dependent shapes that would break the graph.
 @torch.compiler.assume_constant_result
 def tile_plan(grid: tuple[int, int, int], tile: tuple[int, int, int], world_size: int,
               device: torch.device = torch.device("cpu"), ulysses_degree: int = 1) -> TilePlan:
@@ -114,29 +110,7 @@ def _build_tile_plan(grid, tile, world_size, device, ulysses_degree=1) -> TilePl
     U = ulysses_degree
     chunks = tuple((ranges[o * U][0], ranges[o * U + U - 1][1]) for o in range(world_size // U))
     return TilePlan(layout=layout, ranges=ranges, order=order, block_sizes=layout.block_sizes.to(device),
-                    slots=_slot_index(layout, 0, layout.num_tiles).to(device),
-                    rank_slots=tuple(_slot_index(layout, s, e).to(device) for s, e in ranges),
-                    chunk_ranges=chunks, chunk_slots=tuple(_slot_index(layout, s, e).to(device) for s, e in chunks))
-
-
-def _slot_index(layout, start: int, end: int) -> torch.Tensor:
-    """Slots (within tiles ``[start, end)``, tile-major) that hold tokens: where to scatter a tile-ordered shard."""
-    slots = layout.tiled_index[start * layout.tile_volume:end * layout.tile_volume]
-    return torch.nonzero(slots >= 0).squeeze(1)
-
-
-def _to_tiles(x: torch.Tensor, slots: torch.Tensor, num_tiles: int, volume: int) -> torch.Tensor:
-    """``[B, H, L, D]`` tile-ordered tokens -> ``[B, H, num_tiles, V, D]`` with zero padded slots."""
-    B, H, _, D = x.shape
-    out = x.new_zeros(B, H, num_tiles * volume, D)
-    out.index_copy_(2, slots, x)
-    return out.view(B, H, num_tiles, volume, D)
-
-
-def _from_tiles(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_to_tiles`: ``[B, H, N, V, D]`` -> ``[B, H, L, D]`` (valid slots only)."""
-    B, H, N, V, D = x.shape
-    return x.reshape(B, H, N * V, D).index_select(2, slots)
+                    chunk_ranges=chunks)
 
 
 def load_gate_weights(path: str | os.PathLike, num_layers: int, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -237,47 +211,36 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
                 f"this call has {what}, which VSA's tile selection cannot follow. Modes that would work: "
                 f"'ulysses', 'kv_gather', 'auto' (dense attention).")
         plan: TilePlan = self.state.extra["vsa"]
-        layout, group = plan.layout, self.state.group
-        V, N = layout.tile_volume, layout.num_tiles
+        group = self.state.group
         if self.sp_mode == "kv_gather" or group.world_size == 1:
             start, end = plan.ranges[group.rank]
-            mine = plan.rank_slots[group.rank]
             k, v = gather_kv(key, value, sizes, group)
-            gate = None if self._gate is None else _to_tiles(self._gate, mine, end - start, V)
-            out = video_sparse_attention(
-                _to_tiles(query, mine, end - start, V), _to_tiles(k, plan.slots, N, V), _to_tiles(v, plan.slots, N, V),
-                q_block_sizes=plan.block_sizes[start:end], kv_block_sizes=plan.block_sizes, sparsity=self.sparsity,
-                gate=gate, scale=scale, backend=self.backend)
-            return _from_tiles(out, mine)
+            return self._vsa(query, k, v, self._gate, plan, plan.block_sizes[start:end], scale)
         tensors = [query, key, value] + ([] if self._gate is None else [self._gate])
         if self.sp_mode == "hybrid":
             return self._hybrid(tensors, sizes, plan, scale)
         full = scatter_heads(tensors, sizes, group)  # [B, h_r, S, D] each, tile order
-        tiles = [_to_tiles(t, plan.slots, N, V) for t in full]
-        out = video_sparse_attention(tiles[0], tiles[1], tiles[2], q_block_sizes=plan.block_sizes,
-                                     kv_block_sizes=plan.block_sizes,
-                                     sparsity=self.sparsity, gate=tiles[3] if len(tiles) > 3 else None,
-                                     scale=scale, backend=self.backend)
-        joined = gather_heads(_from_tiles(out, plan.slots), sizes, group, num_heads=query.shape[1])  # [S_r, B, H, D]
+        out = self._vsa(*full[:3], full[3] if len(full) > 3 else None, plan, plan.block_sizes, scale)
+        joined = gather_heads(out, sizes, group, num_heads=query.shape[1])  # [S_r, B, H, D]
         return joined.permute(1, 2, 0, 3)
+
+    def _vsa(self, query, key, value, gate, plan: TilePlan, q_block_sizes, scale):
+        """VSA of packed tile-ordered queries (the tiles of ``q_block_sizes``) over every key tile."""
+        return video_sparse_attention_packed(
+            query, key, value, tile_volume=plan.layout.tile_volume, q_block_sizes=q_block_sizes,
+            kv_block_sizes=plan.block_sizes, sparsity=self.sparsity, gate=gate, scale=scale, backend=self.backend)
 
     def _hybrid(self, tensors, sizes, plan: TilePlan, scale):
         """VSA over a :class:`~diffusers_sp.groups.HybridMesh` (module docstring): ``tensors`` are Q, K, V
         (and the gate), ``[B, H, S_r, D]`` in tile order; returns ``[B, H, S_r, D]``."""
         mesh = self.state.mesh
         inner_sizes, outer_sizes = mesh.split_sizes(sizes)
-        V, N = plan.layout.tile_volume, plan.layout.num_tiles
         chunk = scatter_heads(tensors, inner_sizes, mesh.ulysses)  # [B, h_u, S_o, D]: the inner group's tiles
         k, v = gather_kv(chunk[1], chunk[2], outer_sizes, mesh.kv_gather)  # [B, h_u, S, D]: every tile
-        o = mesh.kv_gather.rank
-        start, end = plan.chunk_ranges[o]
-        mine = plan.chunk_slots[o]
-        gate = _to_tiles(chunk[3], mine, end - start, V) if len(chunk) > 3 else None
-        out = video_sparse_attention(
-            _to_tiles(chunk[0], mine, end - start, V), _to_tiles(k, plan.slots, N, V), _to_tiles(v, plan.slots, N, V),
-            q_block_sizes=plan.block_sizes[start:end], kv_block_sizes=plan.block_sizes, sparsity=self.sparsity,
-            gate=gate, scale=scale, backend=self.backend)
-        joined = gather_heads(_from_tiles(out, mine), inner_sizes, mesh.ulysses, num_heads=tensors[0].shape[1])
+        start, end = plan.chunk_ranges[mesh.kv_gather.rank]
+        out = self._vsa(chunk[0], k, v, chunk[3] if len(chunk) > 3 else None, plan, plan.block_sizes[start:end],
+                           scale)
+        joined = gather_heads(out, inner_sizes, mesh.ulysses, num_heads=tensors[0].shape[1])
         return joined.permute(1, 2, 0, 3)
 
 
