@@ -6,14 +6,18 @@ Shape: the self-attention of Wan2.1-1.3B at 480x832, 81 frames: latent grid (T, 
 Times (median of CUDA-event timings after warm-up):
   * dense ``F.scaled_dot_product_attention`` with the cuDNN and with the flash backend, and dense
     FlashAttention-4 (``flash_attn.cute``) where it is installed;
-  * VSA (default backend: the Triton kernel, its TMA version on Hopper) at the given sparsity with a
-    zero gate and with a random gate, both end to end (tiling q, k, v (and gate), VSA, untiling the
+  * VSA (default backend: the Triton kernels, TMA loads on Hopper) at the given sparsity with a zero gate
+    and with a random gate: ``packed`` on tile-ordered tokens without padding held as the model holds them
+    (``[B, S, H, D]`` projections; the tokens travel in tile order through the transformer, so this is what
+    one attention call costs), end to end from raster tokens (tiling q, k, v (and gate), VSA, untiling the
     output) and on pre-tiled tensors; the zero-gate case also with the flex backend; with
     FlashAttention-4 installed, the same with the FA4 block-sparse fine stage (``backend="fa4"``);
   * the fine stage alone (Triton default, Triton with ordinary loads, flex_attention with a prebuilt
     BlockMask, FA4 block-sparse), to separate the sparse kernel from the coarse stage and top-k;
   * ``--sweep``: the Triton kernel's launch configurations; ``--bound``: two stripped copies of the
-    fine stage (loads only; loads and both matrix products without softmax).
+    fine stage (loads only; loads and both matrix products without softmax); ``--profile``: a
+    ``torch.profiler`` summary of one packed call with a gate (time per kernel: tile means, scores, top-k,
+    softmax, fine stage).
 Checks VSA at sparsity 0 with a zero gate against dense attention, and the backends against each
 other (relative Frobenius error <= 1e-2 in bf16; the script exits 1 otherwise).
 
@@ -36,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from diffusers_sp.kernels import fa4, vsa  # noqa: E402
 from diffusers_sp.kernels import vsa_triton  # noqa: E402
 from diffusers_sp.kernels.vsa import (  # noqa: E402
-    make_tile_layout, tile_tokens, untile_tokens, video_sparse_attention, vsa_topk)
+    make_tile_layout, tile_range_tokens, tile_tokens, untile_tokens, video_sparse_attention,
+    video_sparse_attention_packed, vsa_topk)
 
 FULL_GRID = (21, 30, 52)
 QUICK_GRID = (9, 16, 24)
@@ -46,7 +51,8 @@ ACCURACY_LIMIT = 1e-2
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
-    """Median wall time of ``fn`` on the GPU in milliseconds, one CUDA-event pair per call."""
+    """Median wall time of ``fn`` on the GPU in milliseconds, one CUDA-event pair per call, the GPU idle
+    before each call (so the host's launch latency of a call of many small kernels counts)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -59,6 +65,19 @@ def time_ms(fn, warmup: int, iters: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def time_ms_back_to_back(fn, iters: int) -> float:
+    """Milliseconds per call of ``iters`` calls queued back to back between one CUDA-event pair: the cost
+    inside a model, where the host queues the next kernels while the GPU runs earlier ones."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -105,6 +124,23 @@ def _stripped_fine_stage(q, k, v, selected, part: str, stages: int):
     return out
 
 
+def profile_call(fn, calls: int = 10) -> list[dict]:
+    """CUDA time per kernel of ``fn`` (``torch.profiler``, ``calls`` calls after a warm-up), in ms per call,
+    largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key, "cuda_ms": e.device_time_total / 1e3 / calls, "calls": e.count // calls}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["cuda_ms"])[:12]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=True, help="where to write the results")
@@ -117,6 +153,8 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true",
                         help="also time the Triton fine stage under several launch configurations")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one packed VSA call with a gate (CUDA time per kernel)")
     parser.add_argument("--bound", action="store_true",
                         help="also time two stripped copies of the fine stage (same grid, same gathers): "
                              "loads only, and loads with both matrix products but no softmax")
@@ -145,6 +183,15 @@ def main() -> int:
     def vsa_tiled(query, key, value, gate_tiled, sparsity, backend="triton"):
         return video_sparse_attention(query, key, value, q_block_sizes=block_sizes, kv_block_sizes=block_sizes,
                                       sparsity=sparsity, gate=gate_tiled, backend=backend)
+
+    # Packed tile order as the processor holds it: [B, S, H, D] projections read as [B, H, S, D].
+    order = tile_range_tokens(layout, 0, layout.num_tiles)
+    packed = [x.index_select(2, order).transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, gate)]
+
+    def vsa_packed(with_gate, sparsity=args.sparsity):
+        return video_sparse_attention_packed(*packed[:3], tile_volume=layout.tile_volume, q_block_sizes=block_sizes,
+                                             kv_block_sizes=block_sizes, sparsity=sparsity,
+                                             gate=packed[3] if with_gate else None)
 
     def vsa_end_to_end(with_gate, backend="triton"):
         tiled = [tile_tokens(x, layout, dim=2) for x in (q, k, v)]
@@ -179,9 +226,19 @@ def main() -> int:
         whole = torch.full_like(block_sizes, layout.tile_volume)
         return fa4.fa4_block_sparse_fine_stage(qt, kt, vt, selected, whole, scale)
 
+    sizes32 = block_sizes.to(torch.int32)
+    offsets32 = vsa.packed_offsets(sizes32)
+
+    def coarse_packed():  # as the packed path runs it: the means kernel, float32 products and top-k by torch
+        means = [vsa_triton.tile_means_triton(x, offsets32, sizes32, layout.tile_volume) for x in packed[:2]]
+        return (means[0] @ means[1].transpose(-1, -2)).topk(topk, dim=-1, sorted=False).indices
+
     cases = {
         "dense_sdpa_cudnn": lambda: dense(SDPBackend.CUDNN_ATTENTION),
         "dense_sdpa_flash": lambda: dense(SDPBackend.FLASH_ATTENTION),
+        "vsa_zero_gate_packed": lambda: vsa_packed(with_gate=False),
+        "vsa_random_gate_packed": lambda: vsa_packed(with_gate=True),
+        "coarse_stage_and_topk_packed": coarse_packed,
         "vsa_zero_gate_end_to_end": lambda: vsa_end_to_end(with_gate=False),
         "vsa_random_gate_end_to_end": lambda: vsa_end_to_end(with_gate=True),
         "vsa_zero_gate_kernel": lambda: vsa_tiled(qt, kt, vt, None, args.sparsity),
@@ -208,11 +265,13 @@ def main() -> int:
         for stages in (2, 3, 4, 5, 6):
             cfg = {"tma": True, "num_stages": stages}
             cases[f"triton_tma_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
-        for tiles in (1, 2):
-            for warps in (4,):
-                for stages in (1, 2, 3):
-                    cfg = {"tiles_per_step": tiles, "num_warps": warps, "num_stages": stages, "tma": False}
-                    cases[f"triton_t{tiles}_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
+        for warps, stages in ((4, 3), (8, 2), (8, 4)):
+            cfg = {"tma": warps == 8, "num_warps": warps, "num_stages": stages}
+            cases[f"triton_{'tma' if cfg['tma'] else 'plain'}_w{warps}_s{stages}"] = (
+                lambda c=cfg: triton_fine_stage_only(c))
+        for warps, stages in ((4, 2), (8, 3)):  # Triton's warp specialisation of the key loop
+            cfg = {"tma": True, "num_warps": warps, "num_stages": stages, "warp_specialize": True}
+            cases[f"triton_tma_ws_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
     if args.bound:
         for part in ("loads", "dots"):
             for stages in (2, 3, 4):
@@ -222,6 +281,8 @@ def main() -> int:
     for name, fn in cases.items():
         try:
             results[name] = {"ms": time_ms(fn, **timing)}
+            if name.startswith("vsa") or name.startswith("coarse"):
+                results[name]["ms_back_to_back"] = time_ms_back_to_back(fn, args.iters)
         except Exception as err:  # e.g. an SDPA backend or a launch configuration that does not fit
             results[name] = {"ms": None, "error": str(err).splitlines()[0]}
 
@@ -248,6 +309,10 @@ def main() -> int:
     # The Triton and flex fine stages on the same selection (sparsity as benchmarked).
     backends_error = relative_error(vsa_tiled(qt, kt, vt, None, args.sparsity, "triton"),
                                     vsa_tiled(qt, kt, vt, None, args.sparsity, "flex"))
+    # The packed path (gate included) against the padded one, and at sparsity 0 against dense.
+    packed_error = relative_error(vsa_packed(with_gate=True),
+                                  vsa_end_to_end(with_gate=True).index_select(2, order))
+    packed_dense_error = relative_error(vsa_packed(with_gate=False, sparsity=0.0), dense_out.index_select(2, order))
     # The TMA variant against the default kernel on the same selection.
     tma_error = relative_error(triton_fine_stage_only(), triton_fine_stage_only({"tma": False}))
     fa4_error = fa4_dense_error = fa4_sparse0_error = None
@@ -259,7 +324,8 @@ def main() -> int:
         fa4_dense_error = relative_error(fa4.fa4_attention(q, k, v), dense_out)
         fa4_sparse0_error = relative_error(untile_tokens(vsa_tiled(qt, kt, vt, None, 0.0, "fa4"), layout, dim=2),
                                            dense_out)
-    accuracy_ok = all(e <= ACCURACY_LIMIT for e in (error, backends_error, tma_error, fa4_error, fa4_dense_error,
+    accuracy_ok = all(e <= ACCURACY_LIMIT for e in (error, backends_error, tma_error, packed_error, packed_dense_error,
+                                                     fa4_error, fa4_dense_error,
                                                      fa4_sparse0_error) if e is not None)
 
     report = {
@@ -272,9 +338,12 @@ def main() -> int:
         "timing": timing | {"statistic": "median", "clock": "cuda events"},
         "tflops_note": "dense: 4*B*H*S^2*D; vsa: fine-stage FLOPs 4*B*H*(N*V)*(topk*V)*D",
         "results": results,
+        "profile_packed_random_gate": profile_call(lambda: vsa_packed(with_gate=True)) if args.profile else None,
         "accuracy": {"check": "vsa(sparsity=0, gate=None) vs dense SDPA, relative Frobenius error",
                      "relative_error": error, "triton_vs_flex_relative_error": backends_error,
                      "triton_tma_vs_triton_relative_error": tma_error,
+                     "packed_vs_padded_with_gate_relative_error": packed_error,
+                     "packed_sparsity0_vs_dense_relative_error": packed_dense_error,
                      "fa4_vs_triton_relative_error": fa4_error, "fa4_dense_vs_sdpa_relative_error": fa4_dense_error,
                      "fa4_vsa_sparsity0_vs_dense_relative_error": fa4_sparse0_error,
                      "limit": ACCURACY_LIMIT, "ok": accuracy_ok},
@@ -291,7 +360,11 @@ def main() -> int:
             continue
         ratios = " ".join(f"{r[key]:8.2f}" if key in r else f"{'-':>8s}" for key in
                           ("speedup_vs_best_dense", "speedup_vs_dense_sdpa_cudnn", "speedup_vs_dense_fa4"))
-        print(f"{name:32s} {r['ms']:9.3f} {r['tflops']:9.1f} {ratios}")
+        queued = f"  back to back {r['ms_back_to_back']:.3f} ms" if "ms_back_to_back" in r else ""
+        print(f"{name:32s} {r['ms']:9.3f} {r['tflops']:9.1f} {ratios}{queued}")
+    for row in report["profile_packed_random_gate"] or []:
+        print(f"  profile: {row['cuda_ms']:8.3f} ms x{row['calls']:<3d} {row['kernel'][:90]}")
+    print(f"packed vs padded (gate) {packed_error:.2e}, packed sparsity 0 vs dense {packed_dense_error:.2e}")
     print(f"accuracy: sparsity 0 vs dense relative error {error:.2e}, triton vs flex at sparsity "
           f"{args.sparsity} {backends_error:.2e}, TMA vs plain Triton {tma_error:.2e}, FA4 vs Triton {fa4_error}, "
           f"dense FA4 vs SDPA {fa4_dense_error}, FA4 VSA sparsity 0 vs dense {fa4_sparse0_error} (limit {ACCURACY_LIMIT:g}): "
