@@ -504,3 +504,32 @@ def test_compiled_vsa_equals_eager_cuda(backend):
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "bshd", "token_major", "ulysses_view", "batch2_bshd"])
+def test_row_view_addresses_every_element(kind):
+    """The 2-D row view behind the Triton kernel's TMA loads (:func:`~diffusers_sp.kernels.vsa_triton._row_view`)
+    puts element ``[b, h, s, :]`` of each layout the processor hands it at row ``b * row_b + h * row_h + s``,
+    column ``b * col_b + h * col_h`` of a table with the token stride as its row stride, inside the declared
+    ``[rows, cols]``."""
+    from diffusers_sp.kernels.vsa_triton import _row_view
+
+    B, H, S, D = (2 if kind == "batch2_bshd" else 1), 3, 5, 8
+    if kind == "contiguous":
+        t = torch.zeros(B, H, S, D)
+    elif kind in ("bshd", "batch2_bshd"):
+        t = torch.zeros(B, S, H, D).transpose(1, 2)
+    elif kind == "token_major":
+        t = torch.zeros(S, B, H, D).permute(1, 2, 0, 3)
+    else:  # the second of three tensors of scatter_heads' [S, n, B, h, D] buffer
+        t = torch.zeros(S, 3, B, H, D)[:, 1].permute(1, 2, 0, 3)
+    rows, cols, (row_b, row_h, col_b, col_h) = _row_view(t)
+    for b in range(B):
+        for h in range(H):
+            for s in range(S):
+                row, col = b * row_b + h * row_h + s, b * col_b + h * col_h
+                assert row < rows and col + D <= cols
+                assert row * t.stride(2) + col == b * t.stride(0) + h * t.stride(1) + s * t.stride(2)
+    assert (rows - 1) * t.stride(2) + cols == (B - 1) * t.stride(0) + (H - 1) * t.stride(1) + (S - 1) * t.stride(2) + D
+    overlapping = torch.zeros(1, 2, 1, D).as_strided((1, 2, 1, D), (2 * D, D, 4, 1))
+    assert _row_view(overlapping) is None
