@@ -164,10 +164,7 @@ class SequenceParallelHandle:
         """
         from .kernels.sdpa import kernel_on
 
-        model = self._models[0].model if self._models else None
-        param = next(model.parameters(), None) if model is not None else None
-        device = param.device if param is not None else torch.device("cpu")
-        dtype = param.dtype if param is not None else torch.float32
+        device, dtype = self._model_device_dtype()
         return kernel_on(self.requested_kernel, device, dtype, self.traits.models[0].head_dim, compiling=compiled)
 
     def vsa_backend(self) -> str | None:
@@ -179,12 +176,17 @@ class SequenceParallelHandle:
             return None
         from .kernels.vsa import backend_on
 
-        model = self._models[0].model if self._models else None
-        param = next(model.parameters(), None) if model is not None else None
-        device = param.device if param is not None else torch.device("cpu")
-        dtype = param.dtype if param is not None else torch.float32
+        device, dtype = self._model_device_dtype()
         tile_volume = self.vsa_tile[0] * self.vsa_tile[1] * self.vsa_tile[2]
         return backend_on("auto", device, dtype, self.traits.models[0].head_dim, tile_volume)
+
+    def _model_device_dtype(self) -> tuple[torch.device, torch.dtype]:
+        """Device and dtype of the (first) transformer's parameters now (CPU, float32 without any)."""
+        model = self._models[0].model if self._models else None
+        param = next(model.parameters(), None) if model is not None else None
+        if param is None:
+            return torch.device("cpu"), torch.float32
+        return param.device, param.dtype
 
     @property
     def attention_kernel(self) -> str:

@@ -231,9 +231,15 @@ def _output_like(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty((S, B, H, D)).permute(1, 2, 0, 3)
 
 
+def _unit_last_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` itself where its last stride is 1 (what the kernels index), else a contiguous copy."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse, config):
     """Launches the fine-stage kernel (see :func:`fine_stage_triton_packed`)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    q, k, v, gate = (_unit_last_stride(t) for t in (q, k, v, gate))
     B, H, _, D = q.shape
     num_q_tiles = q_offsets.shape[0]
     out = _output_like(q)
@@ -263,6 +269,7 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
 
 def _launch_means(x, offsets, sizes, tile_volume):
     """Launches the tile-mean kernel (see :func:`tile_means_triton`)."""
+    x = _unit_last_stride(x)
     B, H, _, D = x.shape
     num_tiles = offsets.shape[0]
     out = torch.empty((B, H, num_tiles, D), device=x.device, dtype=torch.float32)
