@@ -3,7 +3,7 @@
 FlashAttention-4 and the Triton VSA fine stage run only on a GPU. :func:`stand_in_kernels` makes the
 package believe both are there on CPU: FA4's ``flash_attn_func`` / ``flash_attn_varlen_func`` become
 SDPA with FA4's ``[B, S, H, D]`` layout (varlen: over the packed ``cu_seqlens`` segments), the Triton
-launches become the reference tile means and fine stage, and the checks that would refuse CPU tensors say yes. The
+launches become the reference coarse and fine stages, and the checks that would refuse CPU tensors say yes. The
 product's code paths above the kernels (the choice, the custom operators, their fake implementations,
 the packing of key padding masks) run unchanged. The counters say how often each stand-in ran.
 """
@@ -17,7 +17,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from diffusers_sp.kernels import fa4, sdpa, vsa, vsa_triton
+from diffusers_sp.kernels import fa4, sdpa, vsa, vsa_coarse_triton, vsa_triton
 
 # Names of the custom operators as they appear in an FX graph.
 FA4_DENSE_OP = "diffusers_sp.fa4_attention"
@@ -62,7 +62,7 @@ def stand_in_kernels():
 
     Yields:
         A :class:`collections.Counter` of stand-in calls: ``fa4_dense``, ``fa4_varlen``, ``vsa_triton``,
-        ``vsa_tile_means``.
+        ``vsa_coarse``.
     """
     calls = Counter()
     functions = (_dense(calls), _varlen(calls))
@@ -84,10 +84,18 @@ def stand_in_kernels():
         result[:, :, q_slots[valid]] = out.flatten(2, 3)[:, :, valid]
         return result
 
-    def launch_means(x, offsets, sizes, tile_volume):
-        calls["vsa_tile_means"] += 1
-        tiles = _gather(x, _slots(offsets, sizes, tile_volume), offsets.shape[0], tile_volume)
-        return vsa._tile_means(tiles, sizes.long())
+    def launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale, with_output,
+                      config=None):
+        # The reference coarse stage (tile means, float32 products, torch.topk, softmax) on padded copies.
+        calls["vsa_coarse"] += 1
+        q_mean, k_mean, v_mean = (vsa._tile_means(_gather(x, _slots(off, sizes, tile_volume), off.shape[0],
+                                                          tile_volume), sizes.long())
+                                  for x, off, sizes in ((q, q_offsets, q_sizes), (k, kv_offsets, kv_sizes),
+                                                        (v, kv_offsets, kv_sizes)))
+        products = q_mean @ k_mean.transpose(-1, -2)
+        selected = products.topk(topk, dim=-1, sorted=False).indices.to(torch.int32)
+        coarse = torch.softmax(products * scale, dim=-1) @ v_mean if with_output else q.new_empty(0)
+        return selected, coarse
 
     def triton_applies(q, k, v, tile_volume=None):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -96,7 +104,7 @@ def stand_in_kernels():
     patches = [mock.patch.object(fa4, "fa4_functions", lambda: functions),
                mock.patch.object(fa4, "fa4_unsupported_reason", _fa4_reason),
                mock.patch.object(vsa_triton, "_launch", launch),
-               mock.patch.object(vsa_triton, "_launch_means", launch_means),
+               mock.patch.object(vsa_coarse_triton, "_launch_coarse", launch_coarse),
                mock.patch.object(vsa_triton, "triton_applies", triton_applies),
                mock.patch.object(vsa, "triton_applies", triton_applies)]
     sdpa.choose_kernel.cache_clear()

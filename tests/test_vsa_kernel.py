@@ -217,8 +217,8 @@ def test_packed_equals_padded(with_gate):
 
 
 def test_packed_triton_path_on_stand_ins():
-    """The Triton path of the packed API (tile means, tile scores and top-k, fine stage with the gate in its
-    epilogue) run through CPU stand-ins of the two kernels equals the reference backend: offsets, sizes and
+    """The Triton path of the packed API (coarse stage, fine stage with the gate in its epilogue) run through
+    CPU stand-ins of the two stages equals the reference backend: offsets, sizes and
     the coarse output reach the kernels as they must."""
     from kernel_stand_ins import stand_in_kernels
 
@@ -231,7 +231,7 @@ def test_packed_triton_path_on_stand_ins():
     reference = video_sparse_attention_packed(qp, kp, vp, backend="reference", **args)
     with stand_in_kernels() as calls:
         fast = video_sparse_attention_packed(qp, kp, vp, backend="triton", **args)
-    assert (calls["vsa_triton"], calls["vsa_tile_means"]) == (1, 3), dict(calls)
+    assert (calls["vsa_triton"], calls["vsa_coarse"]) == (1, 1), dict(calls)
     torch.testing.assert_close(fast, reference, rtol=0, atol=1e-6)
 
 
@@ -450,20 +450,6 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
             torch.testing.assert_close(fast.float(), reference, rtol=2e-2, atol=2e-2)
     if tma:
         assert vsa_triton.tma_applies(qp, kp, vp), "the TMA loads do not apply on this GPU"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernels need CUDA and Triton")
-def test_triton_tile_means_cuda():
-    """GPU-only: the tile-means kernel equals the float32 mean of each packed tile's tokens."""
-    from diffusers_sp.kernels.vsa_triton import tile_means_triton
-
-    layout = make_tile_layout((9, 20, 18), (4, 8, 8))
-    x = torch.randn(2, 3, layout.num_tokens, 128, generator=torch.Generator().manual_seed(16)).to("cuda", torch.bfloat16)
-    packed = _packed(x, layout)
-    sizes = layout.block_sizes.to("cuda", torch.int32)
-    means = tile_means_triton(packed, packed_offsets(sizes), sizes, layout.tile_volume)
-    expected = vsa._tile_means(tile_tokens(x.float(), layout, dim=2), sizes.long())
-    torch.testing.assert_close(means, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_requirements_message_names_the_cause():

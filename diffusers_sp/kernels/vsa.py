@@ -43,8 +43,8 @@ from .fa4 import fa4_block_sparse_applies, fa4_block_sparse_fine_stage
 # callers of the attention find them.
 from .tiles import (TileLayout, _check_sparsity, block_lists, make_tile_layout, packed_offsets, packed_slots,
                     pad_tiles, tile_range_tokens, tile_tokens, unpad_tiles, untile_tokens, vsa_topk)
-from .vsa_triton import (fine_stage_triton_packed, padded_tiles, tile_means_triton, triton_applies,
-                         triton_requirements)
+from .vsa_coarse_triton import coarse_stage_triton
+from .vsa_triton import fine_stage_triton_packed, padded_tiles, triton_applies, triton_requirements
 
 __all__ = ["BACKENDS", "AUTO_ORDER", "TileLayout", "block_lists", "make_tile_layout", "tile_range_tokens",
            "tile_tokens", "untile_tokens", "vsa_topk", "video_sparse_attention", "video_sparse_attention_packed",
@@ -210,22 +210,18 @@ def video_sparse_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def _triton_vsa(q, k, v, *, q_tiles, kv_tiles, q_rows, tile_volume, sparsity, gate, scale):
-    """VSA with the Triton kernels on packed ``[B, H, S, D]`` tiles: tile means (kernel), tile scores and top-k
-    (torch, float32), the fine stage with the gated coarse output in its epilogue (kernel). ``q_tiles`` and
-    ``kv_tiles``: int32 ``(offsets, sizes)``; ``q_rows``: the query rows of each tile to compute and store."""
-    q_tiles, kv_tiles = [tuple(t.to(torch.int32) for t in pair) for pair in (q_tiles, kv_tiles)]
-    q_mean = tile_means_triton(q, *q_tiles, tile_volume)
-    k_mean = tile_means_triton(k, *kv_tiles, tile_volume)
-    # Selection on the unscaled products: a positive scale keeps their order, and one kernel less runs.
-    # torch.topk (radix selection, 0.18 ms at the Wan 1.3B shape on an H100) beat two Triton kernels tried
-    # (a bitonic tl.topk on packed int64 keys, a per-row radix selection in registers: 0.20-0.21 ms).
-    products = torch.matmul(q_mean, k_mean.transpose(-1, -2))  # [B, H, Nq, Nk]
-    selected = products.topk(vsa_topk(kv_tiles[0].shape[0], sparsity), dim=-1, sorted=False).indices
-    coarse = None
-    if gate is not None:
-        coarse = torch.matmul(torch.softmax(products * scale, dim=-1), tile_means_triton(v, *kv_tiles, tile_volume))
-    return fine_stage_triton_packed(q, k, v, selected, q_offsets=q_tiles[0], q_sizes=q_rows.to(torch.int32),
-                                    kv_offsets=kv_tiles[0], kv_sizes=kv_tiles[1], tile_volume=tile_volume,
+    """VSA with the Triton kernels on packed ``[B, H, S, D]`` tiles: the coarse stage (tile means, scores, top-k
+    and the coarse output: :mod:`.vsa_coarse_triton`), then the fine stage with the gated coarse output in its
+    epilogue. ``q_tiles`` and ``kv_tiles``: ``(offsets, sizes)``; ``q_rows``: the query rows of each tile to
+    compute and store."""
+    (q_offsets, q_sizes), (kv_offsets, kv_sizes) = [tuple(t.to(torch.int32) for t in pair)
+                                                    for pair in (q_tiles, kv_tiles)]
+    selected, coarse = coarse_stage_triton(
+        q, k, v, q_offsets=q_offsets, q_sizes=q_sizes, kv_offsets=kv_offsets, kv_sizes=kv_sizes,
+        tile_volume=tile_volume, topk=vsa_topk(kv_offsets.shape[0], sparsity), scale=scale,
+        with_output=gate is not None)
+    return fine_stage_triton_packed(q, k, v, selected, q_offsets=q_offsets, q_sizes=q_rows.to(torch.int32),
+                                    kv_offsets=kv_offsets, kv_sizes=kv_sizes, tile_volume=tile_volume,
                                     scale=scale, gate=None if gate is None else gate.to(q.dtype), coarse=coarse)
 
 

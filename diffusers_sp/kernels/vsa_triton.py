@@ -1,5 +1,5 @@
-"""Triton kernels of video sparse attention (VSA): the tile means of the coarse stage, and the block-sparse
-fine stage with the gated coarse output added in its epilogue.
+"""Triton kernel of video sparse attention's (VSA) block-sparse fine stage, with the gated coarse output added
+in its epilogue (the coarse stage's kernels are in :mod:`~diffusers_sp.kernels.vsa_coarse_triton`).
 
 VSA is "VSA: Faster Video Diffusion with Trainable Sparse Attention" (P. Zhang et al., arXiv 2505.13389):
 every query tile of up to ``V`` tokens attends, token by token, to the ``topk`` key tiles its coarse stage
@@ -25,10 +25,9 @@ masked loads. With a gate, the epilogue adds ``coarse_out * gate`` to the normal
 store, so no separate pass over the output is made. Forward only (inference).
 
 Only importable where Triton is (CUDA builds of torch); :func:`triton_applies` says whether the kernels can
-run on given tensors. Under ``torch.compile`` the launches are the custom operators
-``torch.ops.diffusers_sp.vsa_tile_means_triton`` and ``torch.ops.diffusers_sp.vsa_fine_stage_triton`` (the
-host-side tensor descriptors do not trace), opaque nodes with fake implementations for the outputs' shapes;
-eager calls launch directly.
+run on given tensors. Under ``torch.compile`` the launch is the custom operator
+``torch.ops.diffusers_sp.vsa_fine_stage_triton`` (the host-side tensor descriptors do not trace), an opaque
+node with a fake implementation for the output's shape; eager calls launch directly.
 """
 
 from __future__ import annotations
@@ -125,23 +124,6 @@ def tma_applies(*tensors: torch.Tensor) -> bool:
         if view is None or view[0] >= 2 ** 31 or (t.stride(2) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
     return True
-
-
-def tile_means_triton(x: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, tile_volume: int) -> torch.Tensor:
-    """Mean of each tile's tokens (VSA's coarse-stage pooling) over packed tiles.
-
-    Args:
-        x: ``[B, H, S, D]`` bfloat16/float16 CUDA tensor, the last stride 1: tile ``i``'s tokens are
-            ``x[:, :, offsets[i]:offsets[i] + sizes[i]]``.
-        offsets, sizes: int32 tensors ``[N]`` on x's device, each size in ``[1, tile_volume]``.
-        tile_volume: ``V``, a power of two in [16, 256].
-
-    Returns:
-        ``[B, H, N, D]`` float32 (sums in float32, divided by the size).
-    """
-    if torch.compiler.is_compiling():
-        return torch.ops.diffusers_sp.vsa_tile_means_triton(x, offsets, sizes, tile_volume)
-    return _launch_means(x, offsets, sizes, tile_volume)
 
 
 def fine_stage_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor, *,
@@ -267,18 +249,6 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     return out
 
 
-def _launch_means(x, offsets, sizes, tile_volume):
-    """Launches the tile-mean kernel (see :func:`tile_means_triton`)."""
-    x = _unit_last_stride(x)
-    B, H, _, D = x.shape
-    num_tiles = offsets.shape[0]
-    out = torch.empty((B, H, num_tiles, D), device=x.device, dtype=torch.float32)
-    _tile_mean_kernel[(num_tiles, B * H)](
-        x, out, offsets, sizes, *x.stride()[:3], *out.stride()[:3], H,
-        TILE=tile_volume, HEAD_DIM=D, BLOCK=min(tile_volume, _BLOCK), num_warps=4)
-    return out
-
-
 @torch.library.custom_op("diffusers_sp::vsa_fine_stage_triton", mutates_args=())
 def _fine_stage_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor,
                    q_offsets: torch.Tensor, q_sizes: torch.Tensor, kv_offsets: torch.Tensor, kv_sizes: torch.Tensor,
@@ -291,16 +261,6 @@ def _fine_stage_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: 
 @_fine_stage_op.register_fake
 def _(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse):
     return _output_like(q)
-
-
-@torch.library.custom_op("diffusers_sp::vsa_tile_means_triton", mutates_args=())
-def _tile_means_op(x: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, tile_volume: int) -> torch.Tensor:
-    return _launch_means(x, offsets, sizes, tile_volume)
-
-
-@_tile_means_op.register_fake
-def _(x, offsets, sizes, tile_volume):
-    return x.new_empty((x.shape[0], x.shape[1], offsets.shape[0], x.shape[3]), dtype=torch.float32)
 
 
 if triton is not None:
@@ -383,23 +343,3 @@ if triton is not None:
             out = (out.to(tl.float32) + c[None, :] * g.to(tl.float32)).to(Out.dtype.element_ty)
         tl.store(Out + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + tokens[:, None] * s_os + dims[None, :], out,
                  mask=row_ok)
-
-    @triton.jit
-    def _tile_mean_kernel(X, Out, Off, Sizes, s_xb, s_xh, s_xs, s_ob, s_oh, s_on, num_heads,
-                          TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-        # One program per (tile, batch * head): the float32 sum of the tile's rows, divided by its size.
-        tile = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // num_heads).to(tl.int64)
-        h = (bh % num_heads).to(tl.int64)
-        start = tl.load(Off + tile)
-        count = tl.load(Sizes + tile)
-        rows = tl.arange(0, BLOCK)
-        dims = tl.arange(0, HEAD_DIM)
-        base = X + b * s_xb + h * s_xh
-        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-        for first in tl.static_range(0, TILE, BLOCK):
-            x = tl.load(base + (start + first + rows).to(tl.int64)[:, None] * s_xs + dims[None, :],
-                        mask=(first + rows < count)[:, None], other=0.0)
-            acc += tl.sum(x.to(tl.float32), 0)
-        tl.store(Out + b * s_ob + h * s_oh + tile.to(tl.int64) * s_on + dims, acc / count.to(tl.float32))

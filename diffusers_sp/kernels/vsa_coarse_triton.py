@@ -1,0 +1,274 @@
+"""Triton kernels of video sparse attention's (VSA) coarse stage: tile means, tile scores with the coarse
+output, and the top-k key tiles of each query tile.
+
+VSA is "VSA: Faster Video Diffusion with Trainable Sparse Attention" (P. Zhang et al., arXiv 2505.13389). Its
+coarse stage pools every tile of up to ``V`` tokens to its mean, scores query-tile means against key-tile
+means, keeps the top-k key tiles of each query tile for the fine stage
+(:mod:`~diffusers_sp.kernels.vsa_triton`) and, where the model gates it in, attends at tile level
+(softmax over all key tiles, times the value-tile means). In plain torch that is three mean passes, two
+float32 matrix products, a softmax and ``torch.topk``: about 0.45 ms of a 2.5 ms attention call at the Wan
+1.3B shape on an H100, most of it in the means (latency-bound: one small program per tile and head) and in
+the top-k (benchmarks/RESULTS.md). Here it is three launches:
+
+1. ``_tile_means_kernel``: the float32 mean of every tile of q, k and v in one launch;
+2. ``_tile_scores_kernel``: per block of query tiles, the scores against every key tile (written out for the
+   selection) and, with an output wanted, the online softmax (FlashAttention's recurrence, T. Dao et al.,
+   arXiv 2205.14135) over them times the value means. The products run on tensor cores as three TF32
+   products (``tf32x3``: float32 split into a high and a low TF32 part), close to float32;
+3. ``_topk_tiles_kernel``: per row of scores held in registers, the k-th largest score by a radix select on
+   the scores' order-preserving integer keys (two bits per step, MSB first: the classic selection by digits,
+   as in ``torch.topk``'s CUDA radix select), then every score above it and as many equal to it as are still
+   wanted, written as a list of key-tile indices in column order.
+
+Selection runs on the unscaled products (a positive scale keeps their order). Ties at the k-th score go to
+the lower tile index (``torch.topk`` leaves their choice open). Rows longer than :data:`MAX_SELECT_TILES`
+key tiles are selected by ``torch.topk`` instead (the row would not fit in registers).
+
+Packed tile layout as in :mod:`~diffusers_sp.kernels.vsa_triton`: a ``[B, H, S, D]`` tensor (last stride 1)
+whose tile ``i`` is the ``sizes[i]`` tokens from ``offsets[i]``. Only importable where Triton is; under
+``torch.compile`` the launches are the custom operator ``torch.ops.diffusers_sp.vsa_coarse_stage_triton``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds ship without Triton
+    triton = None
+    tl = None
+
+from .vsa_triton import _unit_last_stride
+
+_LOG2_E = 1.4426950408889634
+#: Launch configuration: query tiles per program of the scores kernel (``score_rows``), key tiles per step
+#: (``score_cols``), its pipeline stages (``score_stages``), and the scores each program of the top-k kernel
+#: holds in registers (``select_elements``: rows times the row length padded to a power of two).
+DEFAULT_CONFIG = {"score_rows": 16, "score_cols": 64, "score_stages": 2, "select_elements": 8192}
+#: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
+MAX_SELECT_TILES = 8192
+
+
+def coarse_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_offsets: torch.Tensor,
+                        q_sizes: torch.Tensor, kv_offsets: torch.Tensor, kv_sizes: torch.Tensor, tile_volume: int,
+                        topk: int, scale: float, with_output: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """VSA's coarse stage on packed tiles: the top-k key tiles of each query tile and, with ``with_output``,
+    the tile-level attention output.
+
+    Args:
+        q: ``[B, H, Sq, D]`` queries of ``Nq`` packed tiles, bfloat16/float16 CUDA, last stride 1.
+        k, v: ``[B, H, Sk, D]`` keys and values of ``Nk`` packed tiles, same dtype and device.
+        q_offsets, q_sizes: int32 ``[Nq]`` on the device: where each query tile starts and its token count
+            (``[1, V]``). kv_offsets, kv_sizes: int32 ``[Nk]``, the same for the key tiles.
+        tile_volume: ``V``, a power of two in [16, 256]; D in {32, 64, 128}.
+        topk: Key tiles kept per query tile, in ``[1, Nk]``.
+        scale: Softmax scale of the tile scores (> 0).
+        with_output: Whether to compute the coarse output (VSA gates it into the result); v is not read
+            without it.
+
+    Returns:
+        ``(selected, coarse)``: int32 ``[B, H, Nq, topk]`` distinct key-tile indices (in increasing order where
+        the Triton selection runs, as ``torch.topk`` leaves them otherwise), and float32 ``[B, H, Nq, D]``
+        ``softmax(scale * q_mean @ k_mean^T) @ v_mean`` or None.
+    """
+    if torch.compiler.is_compiling():
+        selected, coarse = torch.ops.diffusers_sp.vsa_coarse_stage_triton(
+            q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale, with_output)
+        return selected, coarse if with_output else None
+    selected, coarse = _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale,
+                                      with_output)
+    return selected, coarse if with_output else None
+
+
+def tile_means_triton(x: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, tile_volume: int) -> torch.Tensor:
+    """Mean of each tile's tokens (VSA's coarse-stage pooling) over packed tiles.
+
+    Args:
+        x: ``[B, H, S, D]`` bfloat16/float16 CUDA tensor, the last stride 1: tile ``i``'s tokens are
+            ``x[:, :, offsets[i]:offsets[i] + sizes[i]]``.
+        offsets, sizes: int32 tensors ``[N]`` on x's device, each size in ``[1, tile_volume]``.
+        tile_volume: ``V``, a power of two in [16, 256].
+
+    Returns:
+        ``[B, H, N, D]`` float32 (sums in float32, divided by the size).
+    """
+    return _launch_means((x,), (offsets, sizes), (offsets, sizes), tile_volume)[0]
+
+
+def _launch_means(tensors, q_tiles, kv_tiles, tile_volume):
+    """The float32 tile means ``[B, H, N, D]`` of one to three packed tensors (q by ``q_tiles``, the others by
+    ``kv_tiles``, each an int32 ``(offsets, sizes)`` pair), in one launch."""
+    tensors = [_unit_last_stride(t) for t in tensors]
+    B, H, _, D = tensors[0].shape
+    counts = [q_tiles[0].shape[0]] + [kv_tiles[0].shape[0]] * (len(tensors) - 1)
+    outs = [torch.empty((B, H, n, D), device=t.device, dtype=torch.float32) for t, n in zip(tensors, counts)]
+    padded = (tensors + tensors[-1:] * 2)[:3]  # unused slots repeat the last tensor; no program reads them
+    strides = [s for t in padded for s in t.stride()[:3]]
+    _tile_means_kernel[(max(counts), B * H, len(tensors))](
+        *padded, *strides, *(outs + outs[-1:] * 2)[:3], *q_tiles, *kv_tiles, counts[0], counts[-1], H,
+        TILE=tile_volume, HEAD_DIM=D, BLOCK=min(tile_volume, 64), num_warps=4)
+    return outs
+
+
+def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale, with_output,
+                   config=None):
+    """Launches the three coarse-stage kernels (see :func:`coarse_stage_triton`); returns ``(selected, coarse)``
+    with ``coarse`` a ``[0]`` placeholder where no output is wanted. ``config`` overrides
+    :data:`DEFAULT_CONFIG` (benchmarks)."""
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    q_tiles, kv_tiles = (q_offsets, q_sizes), (kv_offsets, kv_sizes)
+    means = _launch_means((q, k, v) if with_output else (q, k), q_tiles, kv_tiles, tile_volume)
+    B, H, num_q, D = means[0].shape
+    num_kv = means[1].shape[2]
+    scores = torch.empty((B, H, num_q, num_kv), device=q.device, dtype=torch.float32)
+    coarse = torch.empty((B, H, num_q, D) if with_output else (0,), device=q.device, dtype=torch.float32)
+    _tile_scores_kernel[(triton.cdiv(num_q, cfg["score_rows"]), B * H)](
+        means[0], means[1], means[-1], scores, coarse, num_q, num_kv, scale * _LOG2_E, HEAD_DIM=D,
+        ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, num_warps=4,
+        num_stages=cfg["score_stages"])
+    return topk_tiles_triton(scores, topk, select_elements=cfg["select_elements"]), coarse
+
+
+def topk_tiles_triton(scores: torch.Tensor, topk: int, *, select_elements: int = 8192) -> torch.Tensor:
+    """The ``topk`` largest entries of each row of ``scores``, as column indices (VSA's tile selection).
+
+    Args:
+        scores: float32 CUDA tensor ``[..., Nk]``, contiguous; NaN counts as the largest value.
+        topk: Entries kept per row, in ``[1, Nk]``.
+        select_elements: Scores one program holds in registers (rows times ``Nk`` padded to a power of two).
+
+    Returns:
+        int32 ``[..., topk]``: distinct column indices per row, increasing, of the ``topk`` largest scores;
+        ties at the ``topk``-th value go to the lower index. Rows of more than :data:`MAX_SELECT_TILES` entries
+        go to ``torch.topk`` (their order and tie choice are then its).
+    """
+    num_kv = scores.shape[-1]
+    if num_kv > MAX_SELECT_TILES:
+        return scores.topk(topk, dim=-1, sorted=False).indices.to(torch.int32)
+    selected = torch.empty(scores.shape[:-1] + (topk,), device=scores.device, dtype=torch.int32)
+    row_len = triton.next_power_of_2(num_kv)
+    rows = max(1, select_elements // row_len)
+    num_rows = scores.numel() // num_kv
+    _topk_tiles_kernel[(triton.cdiv(num_rows, rows),)](scores, selected, num_rows, num_kv, topk, ROWS=rows,
+                                                       ROW_LEN=row_len, num_warps=4)
+    return selected
+
+
+@torch.library.custom_op("diffusers_sp::vsa_coarse_stage_triton", mutates_args=())
+def _coarse_stage_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
+                     q_sizes: torch.Tensor, kv_offsets: torch.Tensor, kv_sizes: torch.Tensor, tile_volume: int,
+                     topk: int, scale: float, with_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale, with_output)
+
+
+@_coarse_stage_op.register_fake
+def _(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale, with_output):
+    B, H, _, D = q.shape
+    num_q = q_offsets.shape[0]
+    selected = q.new_empty((B, H, num_q, topk), dtype=torch.int32)
+    return selected, q.new_empty((B, H, num_q, D) if with_output else (0,), dtype=torch.float32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_mean(X, s_xb, s_xh, s_xs, Out, Off, Sizes, tile, b, h, num_heads, num_tiles,
+                   TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        # The float32 sum of tile `tile`'s rows of (b, h), divided by its size, into Out[b, h, tile].
+        start = tl.load(Off + tile)
+        count = tl.load(Sizes + tile)
+        rows = tl.arange(0, BLOCK)
+        dims = tl.arange(0, HEAD_DIM)
+        base = X + b.to(tl.int64) * s_xb + h.to(tl.int64) * s_xh
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for first in tl.static_range(0, TILE, BLOCK):
+            x = tl.load(base + (start + first + rows).to(tl.int64)[:, None] * s_xs + dims[None, :],
+                        mask=(first + rows < count)[:, None], other=0.0)
+            acc += tl.sum(x.to(tl.float32), 0)
+        row = (b * num_heads + h).to(tl.int64) * num_tiles + tile
+        tl.store(Out + row * HEAD_DIM + dims, acc / count.to(tl.float32))
+
+    @triton.jit
+    def _tile_means_kernel(Q, K, V, s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, QMean, KMean, VMean,
+                           QOff, QSizes, KOff, KSizes, num_q, num_kv, num_heads,
+                           TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per (tile, batch * head, tensor): tensor 0 is q (num_q tiles), 1 and 2 are k and v.
+        tile = tl.program_id(0)
+        bh = tl.program_id(1)
+        which = tl.program_id(2)
+        b = bh // num_heads
+        h = bh % num_heads
+        if which == 0:
+            if tile < num_q:
+                _tile_mean(Q, s_qb, s_qh, s_qs, QMean, QOff, QSizes, tile, b, h, num_heads, num_q,
+                           TILE, HEAD_DIM, BLOCK)
+        elif tile < num_kv:
+            if which == 1:
+                _tile_mean(K, s_kb, s_kh, s_ks, KMean, KOff, KSizes, tile, b, h, num_heads, num_kv,
+                           TILE, HEAD_DIM, BLOCK)
+            else:
+                _tile_mean(V, s_vb, s_vh, s_vs, VMean, KOff, KSizes, tile, b, h, num_heads, num_kv,
+                           TILE, HEAD_DIM, BLOCK)
+
+    @triton.jit
+    def _tile_scores_kernel(QMean, KMean, VMean, Scores, Coarse, num_q, num_kv, scale_log2,
+                            HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, HAS_OUT: tl.constexpr):
+        # One program per (block of ROWS query tiles, batch * head); means are contiguous [B, H, N, D].
+        bh = tl.program_id(1).to(tl.int64)
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        dims = tl.arange(0, HEAD_DIM)
+        row_ok = rows < num_q
+        q_rows = bh * num_q + rows
+        qm = tl.load(QMean + q_rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+        for first in range(0, num_kv, COLS):
+            cols = first + tl.arange(0, COLS)
+            col_ok = cols < num_kv
+            kv_rows = bh * num_kv + cols
+            km = tl.load(KMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
+            s = tl.dot(qm, tl.trans(km), input_precision="tf32x3")
+            tl.store(Scores + q_rows[:, None] * num_kv + cols[None, :], s, mask=row_ok[:, None] & col_ok[None, :])
+            if HAS_OUT:
+                t = tl.where(col_ok[None, :], s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(t, 1))
+                p = tl.math.exp2(t - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                vm = tl.load(VMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p, vm, input_precision="tf32x3")
+                m_i = m_new
+        if HAS_OUT:
+            tl.store(Coarse + q_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
+
+    @triton.jit
+    def _topk_tiles_kernel(Scores, Sel, num_rows, num_kv, topk, ROWS: tl.constexpr, ROW_LEN: tl.constexpr):
+        # One program per ROWS rows of scores [num_rows, num_kv]; writes Sel [num_rows, topk] (int32).
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, ROW_LEN)
+        ok = (rows < num_rows)[:, None] & (cols < num_kv)[None, :]
+        s = tl.load(Scores + rows.to(tl.int64)[:, None] * num_kv + cols[None, :], mask=ok, other=float("-inf"))
+        # Order-preserving uint32 keys of the float32 scores: negative ones bit-inverted, others sign bit set.
+        bits = s.to(tl.uint32, bitcast=True)
+        key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+        # Radix select of the k-th largest key, two bits per step from the top: the largest prefix that at
+        # least topk keys reach (count(key >= prefix) >= topk holds throughout).
+        prefix = tl.zeros([ROWS], dtype=tl.uint32)
+        for shift in tl.static_range(30, -1, -2):
+            c1 = prefix | (1 << shift)
+            c2 = prefix | (2 << shift)
+            c3 = prefix | (3 << shift)
+            n1 = tl.sum((key >= c1[:, None]).to(tl.int32), 1)
+            n2 = tl.sum((key >= c2[:, None]).to(tl.int32), 1)
+            n3 = tl.sum((key >= c3[:, None]).to(tl.int32), 1)
+            prefix = tl.where(n3 >= topk, c3, tl.where(n2 >= topk, c2, tl.where(n1 >= topk, c1, prefix)))
+        above = key > prefix[:, None]
+        tied = (key == prefix[:, None]) & ok
+        wanted = topk - tl.sum(above.to(tl.int32), 1)
+        take = (above | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= wanted[:, None]))) & ok
+        slot = tl.cumsum(take.to(tl.int32), 1) - 1
+        tl.store(Sel + rows.to(tl.int64)[:, None] * topk + slot, cols[None, :] + tl.zeros_like(slot), mask=take)

@@ -1,0 +1,167 @@
+"""Tests of VSA's coarse-stage Triton kernels (diffusers_sp.kernels.vsa_coarse_triton): tile means, tile
+scores with the coarse output, and the radix top-k selection.
+
+On the GPU the kernels run compiled. Where Triton is importable without a GPU, its interpreter
+(``TRITON_INTERPRET=1``, in a subprocess: it must be set before the kernels are defined) runs the means and
+top-k kernels on CPU tensors; the scores kernel's loop over a runtime bound does not run in Triton 3.6's
+interpreter, so it is tested on the GPU only.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from diffusers_sp.kernels import vsa
+from diffusers_sp.kernels.tiles import packed_offsets, tile_range_tokens
+from diffusers_sp.kernels.vsa import make_tile_layout, tile_tokens, vsa_topk
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernels need CUDA and Triton")
+
+
+def _packed(x, layout, start=0, end=None):
+    """Raster ``[B, H, S, D]`` -> the valid tokens of tiles ``[start, end)``, tile after tile."""
+    end = layout.num_tiles if end is None else end
+    return x.index_select(2, tile_range_tokens(layout, start, end).to(x.device))
+
+
+def _as_sets(selected):
+    return [set(row) for row in selected.reshape(-1, selected.shape[-1]).tolist()]
+
+
+def _tie_rows():
+    """Score rows with ties at the k-th value, negative values, zeros of both signs and a NaN; k = 3."""
+    rows = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.5, -1.0, -3.0, 2.0],
+                         [-1.0, -2.0, -2.0, -2.0, -0.5, 1.0, 3.0, -2.0],
+                         [0.0, -0.0, 0.0, 0.0, 0.0, -0.0, 0.0, 0.0],
+                         [1.0, 2.0, 2.0, float("nan"), 0.5, -1.0, -3.0, 2.0],
+                         [-5.0, -4.0, -3.0, -2.0, -1.0, -6.0, -7.0, -8.0]])
+    expected = [{1, 2, 3}, {4, 5, 6}, {0, 2, 3}, {1, 2, 3}, {2, 3, 4}]
+    return rows, expected
+
+
+@cuda
+def test_triton_tile_means_cuda():
+    """GPU-only: the tile-means kernel equals the float32 mean of each packed tile's tokens, alone and in the
+    one launch for q (a range of tiles), k and v."""
+    from diffusers_sp.kernels.vsa_coarse_triton import _launch_means, tile_means_triton
+
+    layout = make_tile_layout((9, 20, 18), (4, 8, 8))
+    gen = torch.Generator().manual_seed(16)
+    x = [torch.randn(2, 3, layout.num_tokens, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)]
+    sizes = layout.block_sizes.to("cuda", torch.int32)
+    offsets = packed_offsets(sizes)
+    expected = [vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long()) for t in x]
+    torch.testing.assert_close(tile_means_triton(_packed(x[0], layout), offsets, sizes, layout.tile_volume),
+                               expected[0], rtol=1e-5, atol=1e-5)
+    q_tiles = (packed_offsets(sizes[3:10]), sizes[3:10])
+    means = _launch_means((_packed(x[0], layout, 3, 10), _packed(x[1], layout), _packed(x[2], layout)), q_tiles,
+                          (offsets, sizes), layout.tile_volume)
+    for got, want in zip(means, (expected[0][:, :, 3:10], expected[1], expected[2])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("tile,head_dim", [((4, 4, 4), 128), ((2, 2, 4), 64), ((4, 8, 8), 128), ((2, 2, 2), 32)])
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9])
+def test_triton_coarse_stage_cuda(tile, head_dim, sparsity):
+    """GPU-only: the coarse stage (means, scores, top-k, coarse output) on packed tiles in the ``[B, S, H, D]``
+    layout of the model, all query tiles and a range of them: the selected key tiles are the top-k of
+    torch's float32 products of the same means (as sets; increasing and distinct), and the coarse output is
+    ``softmax(scale * products) @ v_means``."""
+    from diffusers_sp.kernels.vsa_coarse_triton import coarse_stage_triton, tile_means_triton
+
+    layout = make_tile_layout((5, 10, 9) if tile[1] < 8 else (9, 20, 18), tile)
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 3, layout.num_tokens, head_dim, generator=gen).transpose(1, 2).contiguous()
+               .to("cuda", torch.bfloat16).transpose(1, 2) for _ in range(3))
+    sizes = layout.block_sizes.to("cuda", torch.int32)
+    offsets = packed_offsets(sizes)
+    scale = head_dim ** -0.5
+    topk = vsa_topk(layout.num_tiles, sparsity)
+    for start, end in [(0, layout.num_tiles), (4, 11)]:
+        qp = _packed(q, layout, start, end)
+        kp, vp = _packed(k, layout), _packed(v, layout)
+        q_sizes = sizes[start:end]
+        for with_output in (False, True):
+            selected, coarse = coarse_stage_triton(
+                qp, kp, vp, q_offsets=packed_offsets(q_sizes), q_sizes=q_sizes, kv_offsets=offsets, kv_sizes=sizes,
+                tile_volume=layout.tile_volume, topk=topk, scale=scale, with_output=with_output)
+            q_mean = tile_means_triton(qp, packed_offsets(q_sizes), q_sizes, layout.tile_volume)
+            k_mean, v_mean = (tile_means_triton(x, offsets, sizes, layout.tile_volume) for x in (kp, vp))
+            products = q_mean.double() @ k_mean.double().transpose(-1, -2)
+            assert selected.dtype == torch.int32 and selected.shape == (2, 3, end - start, topk)
+            assert bool((selected.diff(dim=-1) > 0).all()), "indices not increasing"
+            assert _as_sets(selected) == _as_sets(products.topk(topk, dim=-1).indices)
+            if with_output:
+                expected = torch.softmax(products * scale, dim=-1) @ v_mean.double()
+                torch.testing.assert_close(coarse.double(), expected, rtol=1e-5, atol=1e-5)
+            else:
+                assert coarse is None
+
+
+@cuda
+def test_triton_topk_ties_and_long_rows_cuda():
+    """GPU-only: the radix selection on rows with ties at the k-th value (lower indices win), negatives,
+    signed zeros and a NaN (largest), at several rows per program; rows past MAX_SELECT_TILES go to
+    torch.topk with the same sets."""
+    from diffusers_sp.kernels import vsa_coarse_triton
+    from diffusers_sp.kernels.vsa_coarse_triton import topk_tiles_triton
+
+    rows, expected = _tie_rows()
+    for elements in (8, 16, 8192):
+        assert _as_sets(topk_tiles_triton(rows.cuda(), 3, select_elements=elements)) == expected
+    scores = torch.randn(2, 5, 300, 1000, generator=torch.Generator().manual_seed(3)).cuda()
+    reference = _as_sets(scores.topk(37, dim=-1).indices)
+    assert _as_sets(topk_tiles_triton(scores, 37)) == reference
+    with mock.patch.object(vsa_coarse_triton, "MAX_SELECT_TILES", 512):
+        assert _as_sets(topk_tiles_triton(scores, 37)) == reference
+
+
+_INTERPRETED = textwrap.dedent("""
+    import torch
+    from diffusers_sp.kernels import vsa
+    from diffusers_sp.kernels.tiles import make_tile_layout, packed_offsets, tile_range_tokens, tile_tokens
+    from diffusers_sp.kernels.vsa_coarse_triton import _launch_means, topk_tiles_triton
+
+    rows, expected = ROWS, EXPECTED
+    for elements in (8, 16, 64):
+        got = [set(r) for r in topk_tiles_triton(rows, 3, select_elements=elements).tolist()]
+        assert got == expected, (elements, got)
+    scores = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(1))
+    for topk in (1, 9, 50):
+        got = topk_tiles_triton(scores, topk, select_elements=256)
+        assert bool((got.diff(dim=-1) > 0).all())
+        assert [set(r) for r in got.view(-1, topk).tolist()] == \\
+            [set(r) for r in scores.topk(topk, dim=-1).indices.view(-1, topk).tolist()]
+    layout = make_tile_layout((5, 6, 7), (2, 2, 4))
+    gen = torch.Generator().manual_seed(2)
+    x = [torch.randn(1, 2, layout.num_tokens, 32, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    sizes = layout.block_sizes.to(torch.int32)
+    order = tile_range_tokens(layout, 0, layout.num_tiles)
+    means = _launch_means([t.index_select(2, order) for t in x], (packed_offsets(sizes), sizes),
+                          (packed_offsets(sizes), sizes), layout.tile_volume)
+    for got, t in zip(means, x):
+        want = vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long())
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    print("interpreted kernels ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+def test_coarse_kernels_in_triton_interpreter():
+    """The top-k kernel (ties, negatives, signed zeros, NaN; one and several rows per program; k of 1, some
+    and all) and the three-tensor means kernel, run by Triton's interpreter on CPU tensors."""
+    rows, expected = _tie_rows()
+    literal = repr(rows.tolist()).replace("nan", "float('nan')")
+    script = _INTERPRETED.replace("ROWS", f"torch.tensor({literal})").replace("EXPECTED", repr(expected))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0 and "interpreted kernels ok" in result.stdout, result.stderr[-3000:]
