@@ -324,10 +324,10 @@ if triton is not None:
         for entry in tl.range(0, entries, warp_specialize=WARP_SPECIALIZE):
             k, vals, key_ok = _key_block(K, V, KOff, KSizes, sel_base, s_sk, entry, k_row0, k_col, v_row0, v_col,
                                          s_k, s_v, rows, dims, PARTS, BLOCK, TMA)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
+            # Scores stay unscaled: the scale goes into exp2's argument as one fused multiply-add per score.
+            s = tl.where(key_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+            p = tl.math.exp2(s * scale_log2 - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
