@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from diffusers_sp.kernels import fa4, vsa  # noqa: E402
-from diffusers_sp.kernels import vsa_triton  # noqa: E402
+from diffusers_sp.kernels import vsa_coarse_triton, vsa_triton  # noqa: E402
 from diffusers_sp.kernels.vsa import (  # noqa: E402
     make_tile_layout, tile_range_tokens, tile_tokens, untile_tokens, video_sparse_attention,
     video_sparse_attention_packed, vsa_topk)
@@ -229,9 +229,15 @@ def main() -> int:
     sizes32 = block_sizes.to(torch.int32)
     offsets32 = vsa.packed_offsets(sizes32)
 
-    def coarse_packed():  # as the packed path runs it: the means kernel, float32 products and top-k by torch
-        means = [vsa_triton.tile_means_triton(x, offsets32, sizes32, layout.tile_volume) for x in packed[:2]]
-        return (means[0] @ means[1].transpose(-1, -2)).topk(topk, dim=-1, sorted=False).indices
+    def coarse_packed(config=None):  # as the packed path runs it: the three coarse-stage kernels, with output
+        return vsa_coarse_triton._launch_coarse(*packed[:3], offsets32, sizes32, offsets32, sizes32,
+                                                layout.tile_volume, topk, scale, True, config)
+
+    def coarse_packed_torch():  # the means kernel, then products, softmax, product and top-k in torch
+        means = [vsa_coarse_triton.tile_means_triton(x, offsets32, sizes32, layout.tile_volume) for x in packed[:3]]
+        products = means[0] @ means[1].transpose(-1, -2)
+        coarse = torch.softmax(products * scale, dim=-1) @ means[2]
+        return products.topk(topk, dim=-1, sorted=False).indices, coarse
 
     cases = {
         "dense_sdpa_cudnn": lambda: dense(SDPBackend.CUDNN_ATTENTION),
@@ -239,6 +245,7 @@ def main() -> int:
         "vsa_zero_gate_packed": lambda: vsa_packed(with_gate=False),
         "vsa_random_gate_packed": lambda: vsa_packed(with_gate=True),
         "coarse_stage_and_topk_packed": coarse_packed,
+        "coarse_stage_and_topk_packed_torch": coarse_packed_torch,
         "vsa_zero_gate_end_to_end": lambda: vsa_end_to_end(with_gate=False),
         "vsa_random_gate_end_to_end": lambda: vsa_end_to_end(with_gate=True),
         "vsa_zero_gate_kernel": lambda: vsa_tiled(qt, kt, vt, None, args.sparsity),
@@ -272,6 +279,12 @@ def main() -> int:
         for warps, stages in ((4, 2), (8, 3)):  # Triton's warp specialisation of the key loop
             cfg = {"tma": True, "num_warps": warps, "num_stages": stages, "warp_specialize": True}
             cases[f"triton_tma_ws_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
+    if args.sweep:  # the coarse stage's launch configurations
+        for rows, cols, stages in ((16, 64, 1), (16, 64, 3), (32, 64, 2), (16, 32, 2), (32, 32, 3)):
+            cfg = {"score_rows": rows, "score_cols": cols, "score_stages": stages}
+            cases[f"coarse_r{rows}_c{cols}_s{stages}"] = (lambda c=cfg: coarse_packed(c))
+        for elements in (4096, 16384):
+            cases[f"coarse_select{elements}"] = (lambda e=elements: coarse_packed({"select_elements": e}))
     if args.bound:
         for part in ("loads", "dots"):
             for stages in (2, 3, 4):
@@ -324,8 +337,14 @@ def main() -> int:
         fa4_dense_error = relative_error(fa4.fa4_attention(q, k, v), dense_out)
         fa4_sparse0_error = relative_error(untile_tokens(vsa_tiled(qt, kt, vt, None, 0.0, "fa4"), layout, dim=2),
                                            dense_out)
+    # The coarse stage's kernels against torch on the same tile means: the same key tiles selected (rows whose
+    # sets differ: near-ties at the k-th score, where tf32x3 and float32 products round apart), and the output.
+    (selected_kernel, coarse_kernel), (selected_torch, coarse_torch) = coarse_packed(), coarse_packed_torch()
+    same_rows = (selected_kernel.long().sort(-1).values == selected_torch.sort(-1).values).all(-1)
+    selection_mismatch = 1.0 - same_rows.float().mean().item()
+    coarse_error = relative_error(coarse_kernel, coarse_torch)
     accuracy_ok = all(e <= ACCURACY_LIMIT for e in (error, backends_error, tma_error, packed_error, packed_dense_error,
-                                                     fa4_error, fa4_dense_error,
+                                                     fa4_error, fa4_dense_error, coarse_error,
                                                      fa4_sparse0_error) if e is not None)
 
     report = {
@@ -344,6 +363,8 @@ def main() -> int:
                      "triton_tma_vs_triton_relative_error": tma_error,
                      "packed_vs_padded_with_gate_relative_error": packed_error,
                      "packed_sparsity0_vs_dense_relative_error": packed_dense_error,
+                     "coarse_kernels_vs_torch_relative_error": coarse_error,
+                     "coarse_kernels_vs_torch_selection_rows_differing": selection_mismatch,
                      "fa4_vs_triton_relative_error": fa4_error, "fa4_dense_vs_sdpa_relative_error": fa4_dense_error,
                      "fa4_vsa_sparsity0_vs_dense_relative_error": fa4_sparse0_error,
                      "limit": ACCURACY_LIMIT, "ok": accuracy_ok},
@@ -364,7 +385,8 @@ def main() -> int:
         print(f"{name:32s} {r['ms']:9.3f} {r['tflops']:9.1f} {ratios}{queued}")
     for row in report["profile_packed_random_gate"] or []:
         print(f"  profile: {row['cuda_ms']:8.3f} ms x{row['calls']:<3d} {row['kernel'][:90]}")
-    print(f"packed vs padded (gate) {packed_error:.2e}, packed sparsity 0 vs dense {packed_dense_error:.2e}")
+    print(f"packed vs padded (gate) {packed_error:.2e}, packed sparsity 0 vs dense {packed_dense_error:.2e}, coarse "
+          f"kernels vs torch {coarse_error:.2e} (rows selecting other tiles: {selection_mismatch:.2e})")
     print(f"accuracy: sparsity 0 vs dense relative error {error:.2e}, triton vs flex at sparsity "
           f"{args.sparsity} {backends_error:.2e}, TMA vs plain Triton {tma_error:.2e}, FA4 vs Triton {fa4_error}, "
           f"dense FA4 vs SDPA {fa4_dense_error}, FA4 VSA sparsity 0 vs dense {fa4_sparse0_error} (limit {ACCURACY_LIMIT:g}): "
