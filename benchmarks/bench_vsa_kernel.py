@@ -84,6 +84,14 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+def _with_coarse_config(config: dict, fn):
+    """``fn()`` with the coarse stage's launch configuration overridden by ``config``."""
+    from unittest import mock
+
+    with mock.patch.object(vsa_coarse_triton, "DEFAULT_CONFIG", dict(vsa_coarse_triton.DEFAULT_CONFIG, **config)):
+        return fn()
+
+
 def _stripped_fine_stage(q, k, v, selected, part: str, stages: int):
     """The Triton fine stage with work removed, to bound it: ``part="loads"`` streams the same K and V
     tiles through the same grid and adds them up; ``"dots"`` also runs both matrix products (no
@@ -279,12 +287,15 @@ def main() -> int:
         for warps, stages in ((4, 2), (8, 3)):  # Triton's warp specialisation of the key loop
             cfg = {"tma": True, "num_warps": warps, "num_stages": stages, "warp_specialize": True}
             cases[f"triton_tma_ws_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
-    if args.sweep:  # the coarse stage's launch configurations
-        for rows, cols, stages in ((16, 64, 1), (16, 64, 3), (32, 64, 2), (16, 32, 2), (32, 32, 3)):
-            cfg = {"score_rows": rows, "score_cols": cols, "score_stages": stages}
-            cases[f"coarse_r{rows}_c{cols}_s{stages}"] = (lambda c=cfg: coarse_packed(c))
-        for elements in (4096, 16384):
-            cases[f"coarse_select{elements}"] = (lambda e=elements: coarse_packed({"select_elements": e}))
+    if args.sweep:  # the coarse stage's launch configurations, alone and inside the packed call with a gate
+        coarse_configs = {"r32_c64_s2": {"score_rows": 32}, "r16_c32_s3": {"score_cols": 32, "score_stages": 3},
+                          "select2": {"select_rows": 2}, "select4": {"select_rows": 4},
+                          "means_w2": {"mean_warps": 2}, "means_h4": {"mean_heads": 4},
+                          "means_h12": {"mean_heads": 12}, "means_h4_w8": {"mean_heads": 4, "mean_warps": 8}}
+        for label, cfg in coarse_configs.items():
+            cases[f"coarse_{label}"] = (lambda c=cfg: coarse_packed(c))
+            cases[f"vsa_random_gate_packed_{label}"] = (lambda c=cfg: _with_coarse_config(
+                c, lambda: vsa_packed(with_gate=True)))
     if args.bound:
         for part in ("loads", "dots"):
             for stages in (2, 3, 4):

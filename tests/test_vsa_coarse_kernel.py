@@ -61,10 +61,11 @@ def test_triton_tile_means_cuda():
     torch.testing.assert_close(tile_means_triton(_packed(x[0], layout), offsets, sizes, layout.tile_volume),
                                expected[0], rtol=1e-5, atol=1e-5)
     q_tiles = (packed_offsets(sizes[3:10]), sizes[3:10])
-    means = _launch_means((_packed(x[0], layout, 3, 10), _packed(x[1], layout), _packed(x[2], layout)), q_tiles,
-                          (offsets, sizes), layout.tile_volume)
-    for got, want in zip(means, (expected[0][:, :, 3:10], expected[1], expected[2])):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for heads in (1, 2, 3):  # heads per program; 2 leaves a partial group of the 3 heads
+        means = _launch_means((_packed(x[0], layout, 3, 10), _packed(x[1], layout), _packed(x[2], layout)),
+                              q_tiles, (offsets, sizes), layout.tile_volume, {"mean_heads": heads})
+        for got, want in zip(means, (expected[0][:, :, 3:10], expected[1], expected[2])):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @cuda
@@ -115,8 +116,8 @@ def test_triton_topk_ties_and_long_rows_cuda():
     from diffusers_sp.kernels.vsa_coarse_triton import topk_tiles_triton
 
     rows, expected = _tie_rows()
-    for elements in (8, 16, 8192):
-        assert _as_sets(topk_tiles_triton(rows.cuda(), 3, select_elements=elements)) == expected
+    for per_program in (1, 2, 8):
+        assert _as_sets(topk_tiles_triton(rows.cuda(), 3, rows_per_program=per_program)) == expected
     scores = torch.randn(2, 5, 300, 1000, generator=torch.Generator().manual_seed(3)).cuda()
     reference = _as_sets(scores.topk(37, dim=-1).indices)
     assert _as_sets(topk_tiles_triton(scores, 37)) == reference
@@ -131,25 +132,26 @@ _INTERPRETED = textwrap.dedent("""
     from diffusers_sp.kernels.vsa_coarse_triton import _launch_means, topk_tiles_triton
 
     rows, expected = ROWS, EXPECTED
-    for elements in (8, 16, 64):
-        got = [set(r) for r in topk_tiles_triton(rows, 3, select_elements=elements).tolist()]
-        assert got == expected, (elements, got)
+    for per_program in (1, 2, 8):
+        got = [set(r) for r in topk_tiles_triton(rows, 3, rows_per_program=per_program).tolist()]
+        assert got == expected, (per_program, got)
     scores = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(1))
     for topk in (1, 9, 50):
-        got = topk_tiles_triton(scores, topk, select_elements=256)
+        got = topk_tiles_triton(scores, topk, rows_per_program=4)
         assert bool((got.diff(dim=-1) > 0).all())
         assert [set(r) for r in got.view(-1, topk).tolist()] == \\
             [set(r) for r in scores.topk(topk, dim=-1).indices.view(-1, topk).tolist()]
     layout = make_tile_layout((5, 6, 7), (2, 2, 4))
     gen = torch.Generator().manual_seed(2)
-    x = [torch.randn(1, 2, layout.num_tokens, 32, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    x = [torch.randn(2, 3, layout.num_tokens, 32, generator=gen).to(torch.bfloat16) for _ in range(3)]
     sizes = layout.block_sizes.to(torch.int32)
     order = tile_range_tokens(layout, 0, layout.num_tiles)
-    means = _launch_means([t.index_select(2, order) for t in x], (packed_offsets(sizes), sizes),
-                          (packed_offsets(sizes), sizes), layout.tile_volume)
-    for got, t in zip(means, x):
-        want = vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long())
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for heads in (1, 2, 3):  # heads per program; 2 leaves a partial group of the 3 heads
+        means = _launch_means([t.index_select(2, order) for t in x], (packed_offsets(sizes), sizes),
+                              (packed_offsets(sizes), sizes), layout.tile_volume, {"mean_heads": heads})
+        for got, t in zip(means, x):
+            want = vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long())
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     print("interpreted kernels ok")
 """)
 
@@ -157,7 +159,7 @@ _INTERPRETED = textwrap.dedent("""
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
 def test_coarse_kernels_in_triton_interpreter():
     """The top-k kernel (ties, negatives, signed zeros, NaN; one and several rows per program; k of 1, some
-    and all) and the three-tensor means kernel, run by Triton's interpreter on CPU tensors."""
+    and all) and the three-tensor means kernel (one, two and three heads per program), run by Triton's interpreter on CPU tensors."""
     rows, expected = _tie_rows()
     literal = repr(rows.tolist()).replace("nan", "float('nan')")
     script = _INTERPRETED.replace("ROWS", f"torch.tensor({literal})").replace("EXPECTED", repr(expected))

@@ -43,10 +43,14 @@ except ImportError:  # CPU-only torch builds ship without Triton
 from .vsa_triton import _unit_last_stride
 
 _LOG2_E = 1.4426950408889634
-#: Launch configuration: query tiles per program of the scores kernel (``score_rows``), key tiles per step
-#: (``score_cols``), its pipeline stages (``score_stages``), and the scores each program of the top-k kernel
-#: holds in registers (``select_elements``: rows times the row length padded to a power of two).
-DEFAULT_CONFIG = {"score_rows": 16, "score_cols": 64, "score_stages": 2, "select_elements": 8192}
+#: Launch configuration: heads per program of the means kernel (``mean_heads``) and its warps
+#: (``mean_warps``); query tiles per program of the scores kernel (``score_rows``), key tiles per step
+#: (``score_cols``) and its pipeline stages (``score_stages``); rows of scores per program of the top-k kernel
+#: (``select_rows``; its warps follow from the row length, one per 1024 scores, at most 8). The top-k kernel
+#: is latency-bound (16 steps of row reductions): on an H100 at 624 key tiles it took 0.27 ms at 8 rows per
+#: program against 0.18 ms for ``torch.topk``, faster with fewer rows (benchmarks/RESULTS.md).
+DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 4, "score_rows": 16, "score_cols": 64, "score_stages": 2,
+                  "select_rows": 1}
 #: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
 MAX_SELECT_TILES = 8192
 
@@ -98,18 +102,20 @@ def tile_means_triton(x: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tenso
     return _launch_means((x,), (offsets, sizes), (offsets, sizes), tile_volume)[0]
 
 
-def _launch_means(tensors, q_tiles, kv_tiles, tile_volume):
+def _launch_means(tensors, q_tiles, kv_tiles, tile_volume, config=None):
     """The float32 tile means ``[B, H, N, D]`` of one to three packed tensors (q by ``q_tiles``, the others by
     ``kv_tiles``, each an int32 ``(offsets, sizes)`` pair), in one launch."""
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
     tensors = [_unit_last_stride(t) for t in tensors]
     B, H, _, D = tensors[0].shape
     counts = [q_tiles[0].shape[0]] + [kv_tiles[0].shape[0]] * (len(tensors) - 1)
     outs = [torch.empty((B, H, n, D), device=t.device, dtype=torch.float32) for t, n in zip(tensors, counts)]
     padded = (tensors + tensors[-1:] * 2)[:3]  # unused slots repeat the last tensor; no program reads them
     strides = [s for t in padded for s in t.stride()[:3]]
-    _tile_means_kernel[(max(counts), B * H, len(tensors))](
+    heads = min(cfg["mean_heads"], H)
+    _tile_means_kernel[(max(counts), B * triton.cdiv(H, heads), len(tensors))](
         *padded, *strides, *(outs + outs[-1:] * 2)[:3], *q_tiles, *kv_tiles, counts[0], counts[-1], H,
-        TILE=tile_volume, HEAD_DIM=D, BLOCK=min(tile_volume, 64), num_warps=4)
+        TILE=tile_volume, HEAD_DIM=D, BLOCK=min(tile_volume, 64), HEADS=heads, num_warps=cfg["mean_warps"])
     return outs
 
 
@@ -120,7 +126,7 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
     :data:`DEFAULT_CONFIG` (benchmarks)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     q_tiles, kv_tiles = (q_offsets, q_sizes), (kv_offsets, kv_sizes)
-    means = _launch_means((q, k, v) if with_output else (q, k), q_tiles, kv_tiles, tile_volume)
+    means = _launch_means((q, k, v) if with_output else (q, k), q_tiles, kv_tiles, tile_volume, cfg)
     B, H, num_q, D = means[0].shape
     num_kv = means[1].shape[2]
     scores = torch.empty((B, H, num_q, num_kv), device=q.device, dtype=torch.float32)
@@ -129,16 +135,17 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
         means[0], means[1], means[-1], scores, coarse, num_q, num_kv, scale * _LOG2_E, HEAD_DIM=D,
         ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, num_warps=4,
         num_stages=cfg["score_stages"])
-    return topk_tiles_triton(scores, topk, select_elements=cfg["select_elements"]), coarse
+    return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"]), coarse
 
 
-def topk_tiles_triton(scores: torch.Tensor, topk: int, *, select_elements: int = 8192) -> torch.Tensor:
+def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 1) -> torch.Tensor:
     """The ``topk`` largest entries of each row of ``scores``, as column indices (VSA's tile selection).
 
     Args:
         scores: float32 CUDA tensor ``[..., Nk]``, contiguous; NaN counts as the largest value.
         topk: Entries kept per row, in ``[1, Nk]``.
-        select_elements: Scores one program holds in registers (rows times ``Nk`` padded to a power of two).
+        rows_per_program: Rows one program selects in (its warps: one per 1024 of the rows' scores, padded to
+            a power of two each, at most 8).
 
     Returns:
         int32 ``[..., topk]``: distinct column indices per row, increasing, of the ``topk`` largest scores;
@@ -150,10 +157,11 @@ def topk_tiles_triton(scores: torch.Tensor, topk: int, *, select_elements: int =
         return scores.topk(topk, dim=-1, sorted=False).indices.to(torch.int32)
     selected = torch.empty(scores.shape[:-1] + (topk,), device=scores.device, dtype=torch.int32)
     row_len = triton.next_power_of_2(num_kv)
-    rows = max(1, select_elements // row_len)
+    rows = triton.next_power_of_2(rows_per_program)
     num_rows = scores.numel() // num_kv
+    warps = min(8, max(1, rows * row_len // 1024))
     _topk_tiles_kernel[(triton.cdiv(num_rows, rows),)](scores, selected, num_rows, num_kv, topk, ROWS=rows,
-                                                       ROW_LEN=row_len, num_warps=4)
+                                                       ROW_LEN=row_len, num_warps=warps)
     return selected
 
 
@@ -194,24 +202,27 @@ if triton is not None:
     @triton.jit
     def _tile_means_kernel(Q, K, V, s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, QMean, KMean, VMean,
                            QOff, QSizes, KOff, KSizes, num_q, num_kv, num_heads,
-                           TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-        # One program per (tile, batch * head, tensor): tensor 0 is q (num_q tiles), 1 and 2 are k and v.
+                           TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr):
+        # One program per (tile, batch and group of HEADS heads, tensor): tensor 0 is q (num_q tiles), 1 and
+        # 2 are k and v; the heads' loads are independent, so one program keeps several in flight.
         tile = tl.program_id(0)
-        bh = tl.program_id(1)
+        groups = tl.cdiv(num_heads, HEADS)
+        b = tl.program_id(1) // groups
         which = tl.program_id(2)
-        b = bh // num_heads
-        h = bh % num_heads
-        if which == 0:
-            if tile < num_q:
-                _tile_mean(Q, s_qb, s_qh, s_qs, QMean, QOff, QSizes, tile, b, h, num_heads, num_q,
-                           TILE, HEAD_DIM, BLOCK)
-        elif tile < num_kv:
-            if which == 1:
-                _tile_mean(K, s_kb, s_kh, s_ks, KMean, KOff, KSizes, tile, b, h, num_heads, num_kv,
-                           TILE, HEAD_DIM, BLOCK)
-            else:
-                _tile_mean(V, s_vb, s_vh, s_vs, VMean, KOff, KSizes, tile, b, h, num_heads, num_kv,
-                           TILE, HEAD_DIM, BLOCK)
+        for i in tl.static_range(HEADS):
+            h = tl.program_id(1) % groups * HEADS + i
+            if h < num_heads:
+                if which == 0:
+                    if tile < num_q:
+                        _tile_mean(Q, s_qb, s_qh, s_qs, QMean, QOff, QSizes, tile, b, h, num_heads, num_q,
+                                   TILE, HEAD_DIM, BLOCK)
+                elif tile < num_kv:
+                    if which == 1:
+                        _tile_mean(K, s_kb, s_kh, s_ks, KMean, KOff, KSizes, tile, b, h, num_heads, num_kv,
+                                   TILE, HEAD_DIM, BLOCK)
+                    else:
+                        _tile_mean(V, s_vb, s_vh, s_vs, VMean, KOff, KSizes, tile, b, h, num_heads, num_kv,
+                                   TILE, HEAD_DIM, BLOCK)
 
     @triton.jit
     def _tile_scores_kernel(QMean, KMean, VMean, Scores, Coarse, num_q, num_kv, scale_log2,
