@@ -14,7 +14,7 @@ Times (median of CUDA-event timings after warm-up):
     FlashAttention-4 installed, the same with the FA4 block-sparse fine stage (``backend="fa4"``);
   * the fine stage alone (Triton default, Triton with ordinary loads, flex_attention with a prebuilt
     BlockMask, FA4 block-sparse), to separate the sparse kernel from the coarse stage and top-k;
-  * ``--sweep``: the Triton kernel's launch configurations; ``--bound``: two stripped copies of the
+  * ``--sweep``: the Triton kernels' launch configurations (``--sweep-coarse``: the coarse stage's only); ``--bound``: two stripped copies of the
     fine stage (loads only; loads and both matrix products without softmax); ``--profile``: a
     ``torch.profiler`` summary of one packed call with a gate (time per kernel: tile means, scores, top-k,
     softmax, fine stage).
@@ -161,6 +161,8 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true",
                         help="also time the Triton fine stage under several launch configurations")
+    parser.add_argument("--sweep-coarse", action="store_true",
+                        help="also time the coarse-stage kernels under several launch configurations (in --sweep)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one packed VSA call with a gate (CUDA time per kernel)")
     parser.add_argument("--bound", action="store_true",
@@ -287,7 +289,7 @@ def main() -> int:
         for warps, stages in ((4, 2), (8, 3)):  # Triton's warp specialisation of the key loop
             cfg = {"tma": True, "num_warps": warps, "num_stages": stages, "warp_specialize": True}
             cases[f"triton_tma_ws_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
-    if args.sweep:  # the coarse stage's launch configurations, alone and inside the packed call with a gate
+    if args.sweep or args.sweep_coarse:  # the coarse stage's launch configurations, alone and in the packed call
         coarse_configs = {"r32_c64_s2": {"score_rows": 32}, "r16_c32_s3": {"score_cols": 32, "score_stages": 3},
                           "select2": {"select_rows": 2}, "select4": {"select_rows": 4},
                           "means_w2": {"mean_warps": 2}, "means_h4": {"mean_heads": 4},
