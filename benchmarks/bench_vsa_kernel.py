@@ -14,14 +14,14 @@ Times (median of CUDA-event timings after warm-up):
     FlashAttention-4 installed, the same with the FA4 block-sparse fine stage (``backend="fa4"``);
   * the fine stage alone (Triton default, Triton with ordinary loads, flex_attention with a prebuilt
     BlockMask, FA4 block-sparse), to separate the sparse kernel from the coarse stage and top-k;
-  * ``--sweep``: the Triton kernels' launch configurations (``--sweep-coarse``: the coarse stage's only); ``--bound``: two stripped copies of the
-    fine stage (loads only; loads and both matrix products without softmax); ``--profile``: a
-    ``torch.profiler`` summary of one packed call with a gate (time per kernel: tile means, scores, top-k,
-    softmax, fine stage).
+  * ``--sweep``: the Triton kernels' launch configurations (``--sweep-coarse``: the coarse stage's only);
+    ``--bound``: two stripped copies of the fine stage (loads only; loads and both matrix products without
+    softmax); ``--profile``: a ``torch.profiler`` summary of one packed call with a gate (time per kernel:
+    tile means, tile scores, top-k, fine stage).
 Checks VSA at sparsity 0 with a zero gate against dense attention, and the backends against each
 other (relative Frobenius error <= 1e-2 in bf16; the script exits 1 otherwise).
 
-    python benchmarks/bench_vsa_kernel.py --json out.json [--quick] [--sweep] [--bound]
+    python benchmarks/bench_vsa_kernel.py --json out.json [--quick] [--sweep | --sweep-coarse] [--bound] [--profile]
 """
 
 from __future__ import annotations
