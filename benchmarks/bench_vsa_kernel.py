@@ -291,7 +291,7 @@ def main() -> int:
             cases[f"triton_tma_ws_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
     if args.sweep or args.sweep_coarse:  # the coarse stage's launch configurations, alone and in the packed call
         coarse_configs = {"r32_c64_s2": {"score_rows": 32}, "r16_c32_s3": {"score_cols": 32, "score_stages": 3},
-                          "select2": {"select_rows": 2}, "select4": {"select_rows": 4},
+                          "select1": {"select_rows": 1}, "select2": {"select_rows": 2}, "select8": {"select_rows": 8},
                           "means_w2": {"mean_warps": 2}, "means_h4": {"mean_heads": 4},
                           "means_h12": {"mean_heads": 12}, "means_h4_w8": {"mean_heads": 4, "mean_warps": 8}}
         for label, cfg in coarse_configs.items():

@@ -47,10 +47,10 @@ _LOG2_E = 1.4426950408889634
 #: (``mean_warps``); query tiles per program of the scores kernel (``score_rows``), key tiles per step
 #: (``score_cols``) and its pipeline stages (``score_stages``); rows of scores per program of the top-k kernel
 #: (``select_rows``; its warps follow from the row length, one per 1024 scores, at most 8). The top-k kernel
-#: is latency-bound (16 steps of row reductions): on an H100 at 624 key tiles it took 0.27 ms at 8 rows per
-#: program against 0.18 ms for ``torch.topk``, faster with fewer rows (benchmarks/RESULTS.md).
+#: is latency-bound (16 steps of row reductions): at 624 key tiles on an H100 the coarse stage took 0.40 ms at
+#: four rows per program against 0.56 ms at eight (torch: 0.53 ms; benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 4, "score_rows": 16, "score_cols": 64, "score_stages": 2,
-                  "select_rows": 1}
+                  "select_rows": 4}
 #: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
 MAX_SELECT_TILES = 8192
 
@@ -138,7 +138,7 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
     return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"]), coarse
 
 
-def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 1) -> torch.Tensor:
+def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 4) -> torch.Tensor:
     """The ``topk`` largest entries of each row of ``scores``, as column indices (VSA's tile selection).
 
     Args:
