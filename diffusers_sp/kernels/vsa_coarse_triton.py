@@ -5,10 +5,10 @@ VSA is "VSA: Faster Video Diffusion with Trainable Sparse Attention" (P. Zhang e
 coarse stage pools every tile of up to ``V`` tokens to its mean, scores query-tile means against key-tile
 means, keeps the top-k key tiles of each query tile for the fine stage
 (:mod:`~diffusers_sp.kernels.vsa_triton`) and, where the model gates it in, attends at tile level
-(softmax over all key tiles, times the value-tile means). In plain torch that is three mean passes, two
-float32 matrix products, a softmax and ``torch.topk``: about 0.45 ms of a 2.5 ms attention call at the Wan
-1.3B shape on an H100, most of it in the means (latency-bound: one small program per tile and head) and in
-the top-k (benchmarks/RESULTS.md). Here it is three launches:
+(softmax over all key tiles, times the value-tile means). Done as a means kernel per tensor, two float32
+cuBLAS products, a softmax and ``torch.topk``, that was about 0.4 ms of a 2.7 ms attention call at the Wan
+1.3B shape on an H100, most of it in the means and the top-k (benchmarks/RESULTS.md). Here it is three
+launches:
 
 1. ``_tile_means_kernel``: the float32 mean of every tile of q, k and v in one launch;
 2. ``_tile_scores_kernel``: per block of query tiles, the scores against every key tile (written out for the
@@ -63,7 +63,8 @@ def coarse_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     the tile-level attention output.
 
     Args:
-        q: ``[B, H, Sq, D]`` queries of ``Nq`` packed tiles, bfloat16/float16 CUDA, last stride 1.
+        q: ``[B, H, Sq, D]`` queries of ``Nq`` packed tiles, bfloat16/float16 CUDA, any strides (one whose
+            last stride is not 1 is copied first).
         k, v: ``[B, H, Sk, D]`` keys and values of ``Nk`` packed tiles, same dtype and device.
         q_offsets, q_sizes: int32 ``[Nq]`` on the device: where each query tile starts and its token count
             (``[1, V]``). kv_offsets, kv_sizes: int32 ``[Nk]``, the same for the key tiles.
@@ -77,6 +78,9 @@ def coarse_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
         ``(selected, coarse)``: int32 ``[B, H, Nq, topk]`` distinct key-tile indices (in increasing order where
         the Triton selection runs, as ``torch.topk`` leaves them otherwise), and float32 ``[B, H, Nq, D]``
         ``softmax(scale * q_mean @ k_mean^T) @ v_mean`` or None.
+
+    Raises nothing of its own: the shapes, sizes and ``topk`` are the caller's to check
+    (:func:`~diffusers_sp.kernels.vsa.video_sparse_attention_packed` does, before any launch).
     """
     if torch.compiler.is_compiling():
         selected, coarse = torch.ops.diffusers_sp.vsa_coarse_stage_triton(
