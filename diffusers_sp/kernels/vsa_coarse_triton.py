@@ -40,9 +40,8 @@ except ImportError:  # CPU-only torch builds ship without Triton
     triton = None
     tl = None
 
-from .vsa_triton import _unit_last_stride
+from .vsa_triton import _LOG2_E, _unit_last_stride
 
-_LOG2_E = 1.4426950408889634
 #: Launch configuration: heads per program of the means kernel (``mean_heads``) and its warps
 #: (``mean_warps``); query tiles per program of the scores kernel (``score_rows``), key tiles per step
 #: (``score_cols``) and its pipeline stages (``score_stages``); rows of scores per program of the top-k kernel
@@ -82,12 +81,10 @@ def coarse_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     Raises nothing of its own: the shapes, sizes and ``topk`` are the caller's to check
     (:func:`~diffusers_sp.kernels.vsa.video_sparse_attention_packed` does, before any launch).
     """
-    if torch.compiler.is_compiling():
-        selected, coarse = torch.ops.diffusers_sp.vsa_coarse_stage_triton(
-            q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale, with_output)
-        return selected, coarse if with_output else None
-    selected, coarse = _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale,
-                                      with_output)
+    # Under torch.compile the launches are one opaque custom operator; eager calls launch directly.
+    launch = torch.ops.diffusers_sp.vsa_coarse_stage_triton if torch.compiler.is_compiling() else _launch_coarse
+    selected, coarse = launch(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale,
+                              with_output)
     return selected, coarse if with_output else None
 
 
