@@ -116,8 +116,9 @@ def test_triton_topk_ties_and_long_rows_cuda():
     from diffusers_sp.kernels.vsa_coarse_triton import topk_tiles_triton
 
     rows, expected = _tie_rows()
-    for per_program in (1, 2, 8):
-        assert _as_sets(topk_tiles_triton(rows.cuda(), 3, rows_per_program=per_program)) == expected
+    for per_program, bits in ((1, 2), (2, 2), (8, 2), (1, 1), (4, 4)):
+        got = topk_tiles_triton(rows.cuda(), 3, rows_per_program=per_program, bits_per_step=bits)
+        assert _as_sets(got) == expected, (per_program, bits)
     scores = torch.randn(2, 5, 300, 1000, generator=torch.Generator().manual_seed(3)).cuda()
     reference = _as_sets(scores.topk(37, dim=-1).indices)
     assert _as_sets(topk_tiles_triton(scores, 37)) == reference
@@ -132,12 +133,13 @@ _INTERPRETED = textwrap.dedent("""
     from diffusers_sp.kernels.vsa_coarse_triton import _launch_means, topk_tiles_triton
 
     rows, expected = ROWS, EXPECTED
-    for per_program in (1, 2, 8):
-        got = [set(r) for r in topk_tiles_triton(rows, 3, rows_per_program=per_program).tolist()]
-        assert got == expected, (per_program, got)
+    for per_program, bits in ((1, 2), (2, 1), (8, 2), (1, 4)):
+        got = topk_tiles_triton(rows, 3, rows_per_program=per_program, bits_per_step=bits)
+        got = [set(r) for r in got.tolist()]
+        assert got == expected, (per_program, bits, got)
     scores = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(1))
-    for topk in (1, 9, 50):
-        got = topk_tiles_triton(scores, topk, rows_per_program=4)
+    for topk, bits in ((1, 2), (9, 2), (50, 2), (9, 1), (9, 4)):
+        got = topk_tiles_triton(scores, topk, rows_per_program=4, bits_per_step=bits)
         assert bool((got.diff(dim=-1) > 0).all())
         assert [set(r) for r in got.view(-1, topk).tolist()] == \\
             [set(r) for r in scores.topk(topk, dim=-1).indices.view(-1, topk).tolist()]
@@ -158,8 +160,9 @@ _INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
 def test_coarse_kernels_in_triton_interpreter():
-    """The top-k kernel (ties, negatives, signed zeros, NaN; one and several rows per program; k of 1, some
-    and all) and the three-tensor means kernel (one, two and three heads per program), run by Triton's interpreter on CPU tensors."""
+    """The top-k kernel (ties, negatives, signed zeros, NaN; one and several rows per program; radix digits of
+    1, 2 and 4 bits; k of 1, some and all) and the three-tensor means kernel (one, two and three heads per
+    program), run by Triton's interpreter on CPU tensors."""
     rows, expected = _tie_rows()
     literal = repr(rows.tolist()).replace("nan", "float('nan')")
     script = _INTERPRETED.replace("ROWS", f"torch.tensor({literal})").replace("EXPECTED", repr(expected))

@@ -45,11 +45,12 @@ from .vsa_triton import _LOG2_E, _unit_last_stride
 #: Launch configuration: heads per program of the means kernel (``mean_heads``) and its warps
 #: (``mean_warps``); query tiles per program of the scores kernel (``score_rows``), key tiles per step
 #: (``score_cols``) and its pipeline stages (``score_stages``); rows of scores per program of the top-k kernel
-#: (``select_rows``; its warps follow from the row length, one per 1024 scores, at most 8). The top-k kernel
+#: (``select_rows``; its warps follow from the row length, one per 1024 scores, at most 8) and the radix digit's
+#: bits (``select_bits``). The top-k kernel
 #: is latency-bound (16 steps of row reductions): at 624 key tiles on an H100 the coarse stage took 0.40 ms at
 #: four rows per program against 0.56 ms at eight (torch: 0.53 ms; benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 4, "score_rows": 16, "score_cols": 64, "score_stages": 2,
-                  "select_rows": 4}
+                  "select_rows": 4, "select_bits": 2}
 #: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
 MAX_SELECT_TILES = 8192
 
@@ -136,10 +137,12 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
         means[0], means[1], means[-1], scores, coarse, num_q, num_kv, scale * _LOG2_E, HEAD_DIM=D,
         ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, num_warps=4,
         num_stages=cfg["score_stages"])
-    return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"]), coarse
+    return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"],
+                             bits_per_step=cfg["select_bits"]), coarse
 
 
-def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 4) -> torch.Tensor:
+def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 4,
+                      bits_per_step: int = 2) -> torch.Tensor:
     """The ``topk`` largest entries of each row of ``scores``, as column indices (VSA's tile selection).
 
     Args:
@@ -147,12 +150,19 @@ def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int 
         topk: Entries kept per row, in ``[1, Nk]``.
         rows_per_program: Rows one program selects in (its warps: one per 1024 of the rows' scores, padded to
             a power of two each, at most 8).
+        bits_per_step: Radix digits of 1, 2 or 4 bits: 32 / bits steps of ``2**bits - 1`` counts each (fewer
+            counts in all at one bit, fewer steps at four).
 
     Returns:
         int32 ``[..., topk]``: distinct column indices per row, increasing, of the ``topk`` largest scores;
         ties at the ``topk``-th value go to the lower index. Rows of more than :data:`MAX_SELECT_TILES` entries
         go to ``torch.topk`` (their order and tie choice are then its).
+
+    Raises:
+        ValueError: ``bits_per_step`` not 1, 2 or 4.
     """
+    if bits_per_step not in (1, 2, 4):
+        raise ValueError(f"bits_per_step must be 1, 2 or 4 (a divisor of the 32-bit keys), got {bits_per_step}")
     num_kv = scores.shape[-1]
     if num_kv > MAX_SELECT_TILES:
         return scores.topk(topk, dim=-1, sorted=False).indices.to(torch.int32)
@@ -162,7 +172,7 @@ def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int 
     num_rows = scores.numel() // num_kv
     warps = min(8, max(1, rows * row_len // 1024))
     _topk_tiles_kernel[(triton.cdiv(num_rows, rows),)](scores, selected, num_rows, num_kv, topk, ROWS=rows,
-                                                       ROW_LEN=row_len, num_warps=warps)
+                                                       ROW_LEN=row_len, BITS=bits_per_step, num_warps=warps)
     return selected
 
 
@@ -258,7 +268,8 @@ if triton is not None:
             tl.store(Coarse + q_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
 
     @triton.jit
-    def _topk_tiles_kernel(Scores, Sel, num_rows, num_kv, topk, ROWS: tl.constexpr, ROW_LEN: tl.constexpr):
+    def _topk_tiles_kernel(Scores, Sel, num_rows, num_kv, topk, ROWS: tl.constexpr, ROW_LEN: tl.constexpr,
+                           BITS: tl.constexpr):
         # One program per ROWS rows of scores [num_rows, num_kv]; writes Sel [num_rows, topk] (int32).
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, ROW_LEN)
@@ -267,17 +278,17 @@ if triton is not None:
         # Order-preserving uint32 keys of the float32 scores: negative ones bit-inverted, others sign bit set.
         bits = s.to(tl.uint32, bitcast=True)
         key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-        # Radix select of the k-th largest key, two bits per step from the top: the largest prefix that at
-        # least topk keys reach (count(key >= prefix) >= topk holds throughout).
+        # Radix select of the k-th largest key, BITS bits per step from the top: the largest prefix that at
+        # least topk keys reach (count(key >= prefix) >= topk holds throughout). The counts fall as the digit
+        # rises, so the last digit that still reaches topk wins.
         prefix = tl.zeros([ROWS], dtype=tl.uint32)
-        for shift in tl.static_range(30, -1, -2):
-            c1 = prefix | (1 << shift)
-            c2 = prefix | (2 << shift)
-            c3 = prefix | (3 << shift)
-            n1 = tl.sum((key >= c1[:, None]).to(tl.int32), 1)
-            n2 = tl.sum((key >= c2[:, None]).to(tl.int32), 1)
-            n3 = tl.sum((key >= c3[:, None]).to(tl.int32), 1)
-            prefix = tl.where(n3 >= topk, c3, tl.where(n2 >= topk, c2, tl.where(n1 >= topk, c1, prefix)))
+        for shift in tl.static_range(32 - BITS, -1, -BITS):
+            reached = prefix
+            for digit in tl.static_range(1, 1 << BITS):
+                candidate = prefix | (digit << shift)
+                count = tl.sum((key >= candidate[:, None]).to(tl.int32), 1)
+                reached = tl.where(count >= topk, candidate, reached)
+            prefix = reached
         above = key > prefix[:, None]
         tied = (key == prefix[:, None]) & ok
         wanted = topk - tl.sum(above.to(tl.int32), 1)
