@@ -291,15 +291,11 @@ def main() -> int:
             cases[f"triton_tma_ws_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
     if args.sweep or args.sweep_coarse:  # the coarse stage's launch configurations, alone and in the packed call
         coarse_configs = {"r32_c64_s2": {"score_rows": 32}, "r16_c32_s3": {"score_cols": 32, "score_stages": 3},
-                          "select1": {"select_rows": 1}, "select2": {"select_rows": 2}, "select8": {"select_rows": 8},
+                          "select2": {"select_rows": 2}, "select4": {"select_rows": 4},
+                          "select1_bits2": {"select_bits": 2}, "select4_bits2": {"select_rows": 4, "select_bits": 2},
+                          "select8_bits2": {"select_rows": 8, "select_bits": 2}, "select1_bits4": {"select_bits": 4},
                           "means_w2": {"mean_warps": 2}, "means_h4": {"mean_heads": 4},
-                          "means_h12": {"mean_heads": 12}, "means_h4_w8": {"mean_heads": 4, "mean_warps": 8},
-                          "select1_means_h4": {"select_rows": 1, "mean_heads": 4},
-                          "select1_means_h12": {"select_rows": 1, "mean_heads": 12},
-                          "select2_means_h12": {"select_rows": 2, "mean_heads": 12},
-                          "select1_bits1": {"select_rows": 1, "select_bits": 1},
-                          "select1_bits4": {"select_rows": 1, "select_bits": 4},
-                          "select4_bits1": {"select_bits": 1}}
+                          "means_h12": {"mean_heads": 12}, "means_h4_w8": {"mean_heads": 4, "mean_warps": 8}}
         for label, cfg in coarse_configs.items():
             cases[f"coarse_{label}"] = (lambda c=cfg: coarse_packed(c))
             cases[f"vsa_random_gate_packed_{label}"] = (lambda c=cfg: _with_coarse_config(

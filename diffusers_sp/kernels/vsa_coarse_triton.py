@@ -16,8 +16,8 @@ launches:
    arXiv 2205.14135) over them times the value means. The products run on tensor cores as three TF32
    products (``tf32x3``: float32 split into a high and a low TF32 part), close to float32;
 3. ``_topk_tiles_kernel``: per row of scores held in registers, the k-th largest score by a radix select on
-   the scores' order-preserving integer keys (two bits per step, MSB first: the classic selection by digits,
-   as in ``torch.topk``'s CUDA radix select), then every score above it and as many equal to it as are still
+   the scores' order-preserving integer keys (digits of one bit by default, MSB first: the classic selection
+   by digits, as in ``torch.topk``'s CUDA radix select), then every score above it and as many equal to it as are still
    wanted, written as a list of key-tile indices in column order.
 
 Selection runs on the unscaled products (a positive scale keeps their order). Ties at the k-th score go to
@@ -45,12 +45,14 @@ from .vsa_triton import _LOG2_E, _unit_last_stride
 #: Launch configuration: heads per program of the means kernel (``mean_heads``) and its warps
 #: (``mean_warps``); query tiles per program of the scores kernel (``score_rows``), key tiles per step
 #: (``score_cols``) and its pipeline stages (``score_stages``); rows of scores per program of the top-k kernel
-#: (``select_rows``; its warps follow from the row length, one per 1024 scores, at most 8) and the radix digit's
-#: bits (``select_bits``). The top-k kernel
-#: is latency-bound (16 steps of row reductions): at 624 key tiles on an H100 the coarse stage took 0.40 ms at
-#: four rows per program against 0.56 ms at eight (torch: 0.53 ms; benchmarks/RESULTS.md).
+#: (``select_rows``; its warps follow from the row length, one per 1024 scores, at most 8) and the bits of its
+#: radix digit (``select_bits``). The top-k kernel is bound by issuing its compares and row reductions, so one
+#: row on one warp (shuffles only, no barriers) with one-bit digits (32 steps of one count: the fewest
+#: compares) ran fastest: at 624 key tiles on an H100 the coarse stage took 0.35 / 0.30 ms synced / queued,
+#: against 0.46 / 0.38 at four rows and two bits, 0.64 / 0.54 at eight rows, 0.50 / 0.45 at one row and four
+#: bits (the torch path: 0.56 / 0.48; benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 4, "score_rows": 16, "score_cols": 64, "score_stages": 2,
-                  "select_rows": 4, "select_bits": 2}
+                  "select_rows": 1, "select_bits": 1}
 #: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
 MAX_SELECT_TILES = 8192
 
@@ -141,8 +143,8 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
                              bits_per_step=cfg["select_bits"]), coarse
 
 
-def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 4,
-                      bits_per_step: int = 2) -> torch.Tensor:
+def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 1,
+                      bits_per_step: int = 1) -> torch.Tensor:
     """The ``topk`` largest entries of each row of ``scores``, as column indices (VSA's tile selection).
 
     Args:
