@@ -21,13 +21,14 @@ Times (median of CUDA-event timings after warm-up):
 Checks VSA at sparsity 0 with a zero gate against dense attention, and the backends against each
 other (relative Frobenius error <= 1e-2 in bf16; the script exits 1 otherwise).
 
-    python benchmarks/bench_vsa_kernel.py --json out.json [--quick] [--sweep | --sweep-coarse] [--bound] [--profile]
+    python benchmarks/bench_vsa_kernel.py --json out.json [--quick] [--sweep | --sweep-coarse] [--bound] [--profile] [--only REGEX]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -89,6 +90,14 @@ def _with_coarse_config(config: dict, fn):
     from unittest import mock
 
     with mock.patch.object(vsa_coarse_triton, "DEFAULT_CONFIG", dict(vsa_coarse_triton.DEFAULT_CONFIG, **config)):
+        return fn()
+
+
+def _with_fine_config(config: dict, fn):
+    """``fn()`` with the fine stage's launch configuration overridden by ``config``."""
+    from unittest import mock
+
+    with mock.patch.object(vsa_triton, "DEFAULT_CONFIG", dict(vsa_triton.DEFAULT_CONFIG, **config)):
         return fn()
 
 
@@ -168,6 +177,9 @@ def main() -> int:
     parser.add_argument("--bound", action="store_true",
                         help="also time two stripped copies of the fine stage (same grid, same gathers): "
                              "loads only, and loads with both matrix products but no softmax")
+    parser.add_argument("--only", default=None, metavar="REGEX",
+                        help="time only the cases whose name matches this regular expression (the accuracy checks "
+                             "run in full)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_vsa_kernel.py needs a CUDA GPU", file=sys.stderr)
@@ -265,6 +277,9 @@ def main() -> int:
         "fine_stage_only_triton": triton_fine_stage_only,
         "fine_stage_only_flex": fine_stage_only,
     }
+    if layout.tile_volume > 64:  # the whole call with query blocks of 64 rows, as before blocks of 128
+        cases["vsa_random_gate_packed_m64"] = lambda: _with_fine_config({"block_m": 64},
+                                                                         lambda: vsa_packed(with_gate=True))
     cases["coarse_stage_and_topk_unsorted"] = lambda: coarse_and_topk(sorted_topk=False)
     has_fa4 = fa4.fa4_block_sparse_applies(qt, kt, vt) is None
     if fa4.fa4_installed():  # dense FA4 at every tiling: the block-sparse path takes 64-slot tiles only
@@ -286,6 +301,10 @@ def main() -> int:
             cfg = {"tma": warps == 8, "num_warps": warps, "num_stages": stages}
             cases[f"triton_{'tma' if cfg['tma'] else 'plain'}_w{warps}_s{stages}"] = (
                 lambda c=cfg: triton_fine_stage_only(c))
+        for block_m, warps, stages in ((64, 4, 5), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 5)):
+            if layout.tile_volume % block_m == 0:  # query rows per program (tiles of 128 slots and more)
+                cfg = {"tma": True, "block_m": block_m, "num_warps": warps, "num_stages": stages}
+                cases[f"triton_tma_m{block_m}_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
         for warps, stages in ((4, 2), (8, 3)):  # Triton's warp specialisation of the key loop
             cfg = {"tma": True, "num_warps": warps, "num_stages": stages, "warp_specialize": True}
             cases[f"triton_tma_ws_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
@@ -305,6 +324,8 @@ def main() -> int:
             for stages in (2, 3, 4):
                 cases[f"bound_{part}_only_s{stages}"] = (
                     lambda p=part, st=stages: _stripped_fine_stage(qt, kt, vt, selected, p, st))
+    if args.only:
+        cases = {name: fn for name, fn in cases.items() if re.search(args.only, name)}
     results = {}
     for name, fn in cases.items():
         try:

@@ -386,11 +386,16 @@ def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernel needs CUDA and Triton")
 @pytest.mark.parametrize("config,tile", [({"tma": False}, (4, 4, 4)), ({"tma": True}, (4, 4, 4)),
                                          ({"tma": True, "num_stages": 3}, (4, 4, 4)), ({"tma": False}, (4, 8, 8)),
-                                         ({"tma": True}, (4, 8, 8))], ids=str)
+                                         ({"tma": True}, (4, 8, 8)), ({"tma": True, "block_m": 64}, (4, 8, 8)),
+                                         ({"tma": False, "block_m": 128}, (4, 8, 8)),
+                                         ({"tma": True, "block_m": 128, "num_warps": 4, "num_stages": 3}, (4, 8, 8)),
+                                         ({"tma": True}, (2, 8, 8)), ({"tma": True, "block_m": 32}, (2, 8, 8))],
+                         ids=str)
 def test_triton_fine_stage_configs_cuda(config, tile):
     """GPU-only: the fine stage at several top-k, with the tensor-descriptor (TMA) loads, which must
-    actually run (Hopper), and with ordinary loads, for 64- and 256-slot tiles (row and column blocks of
-    64). Fine stage against the reference's on the valid rows."""
+    actually run (Hopper), and with ordinary loads, for 64-, 128- and 256-slot tiles (key tiles in column
+    blocks of 64; query rows in blocks of 32, 64 or 128 per program, on four or eight warps). Fine stage
+    against the reference's on the valid rows."""
     from diffusers_sp.kernels.vsa_triton import fine_stage_triton, tma_applies
 
     grid = (5, 10, 9) if tile == (4, 4, 4) else (9, 20, 18)
@@ -408,6 +413,9 @@ def test_triton_fine_stage_configs_cuda(config, tile):
         reference = vsa._fine_stage_reference(qt.float(), kt.float(), vt.float(), selected, layout.block_sizes, scale)
         valid = vsa._slot_mask(layout.block_sizes, layout.tile_volume)[None, None, :, :, None]
         torch.testing.assert_close(fast.float() * valid, reference * valid, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="block_m must be"):  # a query block larger than the tile
+        fine_stage_triton(qt, kt, vt, selected, layout.block_sizes, scale,
+                          config=dict(config, block_m=2 * layout.tile_volume))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernels need CUDA and Triton")
@@ -450,6 +458,26 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
             torch.testing.assert_close(fast.float(), reference, rtol=2e-2, atol=2e-2)
     if tma:
         assert vsa_triton.tma_applies(qp, kp, vp), "the TMA loads do not apply on this GPU"
+
+
+def test_fine_stage_launch_blocks():
+    """Query rows per program, key columns per step and stages of the fine stage: 128 query rows (3 stages)
+    at tiles of 128 and 256 slots with TMA loads, 64 rows otherwise (5 stages with TMA, 2 without); a tile
+    smaller than a block is one block; a query block that cannot cover a tile is refused."""
+    from diffusers_sp.kernels.vsa_triton import launch_blocks
+
+    assert launch_blocks(64, True) == (64, 64, 5)
+    assert launch_blocks(128, True) == (128, 64, 3)
+    assert launch_blocks(256, True) == (128, 64, 3)
+    assert launch_blocks(256, False) == (64, 64, 2)
+    assert launch_blocks(16, True) == (16, 16, 5)
+    assert launch_blocks(256, True, {"block_m": 64}) == (64, 64, 5)
+    assert launch_blocks(256, True, {"num_stages": 4}) == (128, 64, 4)
+    for bad in (256, 96, 8):
+        with pytest.raises(ValueError, match="block_m must be"):
+            launch_blocks(128, True, {"block_m": bad})
+    with pytest.raises(ValueError, match="divide the tile volume 64"):
+        launch_blocks(64, True, {"block_m": 128})
 
 
 def test_triton_requirements_message_names_the_cause():

@@ -13,16 +13,16 @@ the valid tokens of consecutive tiles, tile ``i`` occupying the ``sizes[i] <= V`
 sum of the tile sizes), so an attention call needs no padded copy; the padded ``[B, H, N, V, D]`` tiles of
 :func:`~diffusers_sp.kernels.vsa.video_sparse_attention` are the case ``offsets[i] = i * V``.
 
-Fine stage: one program per (batch, head, query tile, row block of 64 tokens) loads its query rows once,
-then walks the selected key tiles, each in column blocks of 64 (tiles of more than 64 slots: the 128- and
-256-token tilings keep the register and shared-memory tiles of a 64-slot one; whole 128-slot tiles ran the
-fine stage in 7.3 ms against 2.8 ms in blocks, H100, benchmarks/RESULTS.md), keeping the running row
-maximum, row sum and accumulator in float32 registers. Key rows past a tile's size are masked to ``-inf``;
-the list is read straight from the top-k indices, so no block mask is built. On Hopper and newer the query,
-key and value blocks are loaded by the tensor-memory accelerator (TMA) through Triton's host tensor
-descriptors (2.45 ms against 3.07 ms with ordinary loads, H200, Wan 1.3B shape); elsewhere by ordinary
-masked loads. With a gate, the epilogue adds ``coarse_out * gate`` to the normalised output before the
-store, so no separate pass over the output is made. Forward only (inference).
+Fine stage: one program per (batch, head, query tile, row block of up to 128 tokens) loads its query rows
+once, then walks the selected key tiles, each in column blocks of 64 (tiles of more than 64 slots: whole
+128-slot key tiles per step ran the fine stage in 7.3 ms against 2.8 ms in blocks, H100,
+benchmarks/RESULTS.md; at 128 and 256 slots a program takes 128 query rows, which share every key block it
+loads), keeping the running row maximum, row sum and accumulator in float32 registers. Key rows past a tile's
+size are masked to ``-inf``; the list is read straight from the top-k indices, so no block mask is built. On
+Hopper and newer the query, key and value blocks are loaded by the tensor-memory accelerator (TMA) through
+Triton's host tensor descriptors (2.45 ms against 3.07 ms with ordinary loads, H200, Wan 1.3B shape);
+elsewhere by ordinary masked loads. With a gate, the epilogue adds ``coarse_out * gate`` to the normalised
+output before the store, so no separate pass over the output is made. Forward only (inference).
 
 Only importable where Triton is (CUDA builds of torch); :func:`triton_applies` says whether the kernels can
 run on given tensors. Under ``torch.compile`` the launch is the custom operator
@@ -48,8 +48,11 @@ except ImportError:
     TensorDescriptor = None
 
 _LOG2_E = 1.4426950408889634
-#: Query rows per program and key columns per step: larger tiles are cut into blocks of this many slots.
+#: Key columns per step: key tiles of more slots are walked in column blocks of this many.
 _BLOCK = 64
+#: Query rows per program (at most; a tile of fewer slots is one program): the rows of one program share each
+#: key block it loads, so larger query blocks read fewer bytes per product from L2.
+_BLOCK_M = 128
 
 #: Launch configuration measured fastest on Hopper (bf16, V = 64, D = 128, top-63 of 624 tiles;
 #: benchmarks/RESULTS.md): four warps (one warpgroup), one key block per step, loaded by the tensor-memory
@@ -58,7 +61,12 @@ _BLOCK = 64
 #: warps ran 5.4-7.0 ms against 3.1 ms). ``warp_specialize``: Triton's producer / consumer warp partitions
 #: of the key loop (``tl.range(warp_specialize=True)``), for benchmarks: slower here (H200: 4.0-4.9 ms against
 #: 2.35-2.45), as were two key blocks per step sharing one rescale of the accumulator (3.5-3.8 ms).
-DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False}
+#: ``block_m``: query rows per program, None meaning ``min(V, 128)`` with TMA loads and ``min(V, 64)``
+#: without (128 rows spill more registers with ordinary loads). At tiles of 128 and 256 slots, 128 rows on
+#: four warps and three stages (about 430 bytes of register spills with the gate, sm90) ran the whole call
+#: queued 2.48 / 2.51 ms against 2.55 / 2.64 at 64 rows, H100, same run; on eight warps (two warpgroups, no
+#: spills) 128 rows were slower than 64 (benchmarks/RESULTS.md). ``num_stages=None``: 3 at 128 rows with TMA.
+DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False, "block_m": None}
 
 
 def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int | None = None) -> bool:
@@ -155,8 +163,8 @@ def fine_stage_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         batch 1).
 
     Raises:
-        ValueError: :func:`triton_applies` is false for these tensors, or only one of ``gate`` and ``coarse``
-            is given.
+        ValueError: :func:`triton_applies` is false for these tensors, only one of ``gate`` and ``coarse``
+            is given, or ``config["block_m"]`` is not 16, 32, 64 or 128 or does not divide ``V``.
     """
     if not triton_applies(q, k, v, tile_volume):
         raise ValueError(triton_requirements(q, k, v, tile_volume))
@@ -184,7 +192,8 @@ def fine_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selecte
         holds (the caller zeroes them).
 
     Raises:
-        ValueError: :func:`triton_applies` is false for these tensors.
+        ValueError: :func:`triton_applies` is false for these tensors, or ``config["block_m"]`` does not fit
+            (see :func:`fine_stage_triton_packed`).
     """
     if not triton_applies(q, k, v):
         raise ValueError(triton_requirements(q, k, v))
@@ -218,6 +227,21 @@ def _unit_last_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+def launch_blocks(tile_volume: int, use_tma: bool, config: dict | None = None) -> tuple[int, int, int]:
+    """The fine stage's ``(query rows per program, key columns per step, pipeline stages)`` for tiles of
+    ``tile_volume`` slots, with or without TMA loads, under ``config`` (overriding :data:`DEFAULT_CONFIG`).
+
+    Raises:
+        ValueError: ``config["block_m"]`` is not 16, 32, 64 or 128, or does not divide ``tile_volume``.
+    """
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    block_m = cfg["block_m"] or min(tile_volume, _BLOCK_M if use_tma else _BLOCK)
+    if block_m not in (16, 32, 64, 128) or tile_volume % block_m:
+        raise ValueError(f"block_m must be 16, 32, 64 or 128 and divide the tile volume {tile_volume}, got {block_m}")
+    stages = cfg["num_stages"] or ((3 if block_m > _BLOCK else 5) if use_tma else 2)
+    return block_m, min(tile_volume, _BLOCK), stages
+
+
 def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse, config):
     """Launches the fine-stage kernel (see :func:`fine_stage_triton_packed`)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
@@ -225,12 +249,11 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     B, H, _, D = q.shape
     num_q_tiles = q_offsets.shape[0]
     out = _output_like(q)
-    block = min(tile_volume, _BLOCK)
     selected = selected.contiguous()
     use_tma = cfg["tma"] and tma_applies(q, k, v)
-    stages = cfg["num_stages"] or (5 if use_tma else 2)
+    block_m, block_n, stages = launch_blocks(tile_volume, use_tma, cfg)
     operands = []
-    for t in (q, k, v):
+    for t, block in ((q, block_m), (k, block_n), (v, block_n)):
         if use_tma:
             rows, cols, coeffs = _row_view(t)
             table = t.as_strided((rows, cols), (t.stride(2), 1))
@@ -240,11 +263,11 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     has_gate = gate is not None
     gate_args = (gate, *gate.stride()[:3]) if has_gate else (out, 0, 0, 0)
     coarse_args = (coarse, *coarse.stride()[:3]) if has_gate else (out, 0, 0, 0)
-    grid = (num_q_tiles * (tile_volume // block), B * H)
+    grid = (num_q_tiles * (tile_volume // block_m), B * H)
     _vsa_fine_kernel[grid](
         *operands, out, *out.stride()[:3], *gate_args, *coarse_args, selected, *selected.stride(),
         q_offsets, q_sizes, kv_offsets, kv_sizes, H, selected.shape[-1], scale * _LOG2_E,  # the kernel uses exp2
-        TILE=tile_volume, HEAD_DIM=D, BLOCK=block, TMA=use_tma, HAS_GATE=has_gate,
+        TILE=tile_volume, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma, HAS_GATE=has_gate,
         WARP_SPECIALIZE=cfg["warp_specialize"], num_warps=cfg["num_warps"], num_stages=stages)
     return out
 
@@ -267,9 +290,9 @@ if triton is not None:
 
     @triton.jit
     def _key_block(K, V, KOff, KSizes, sel_base, s_sk, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, rows, dims,
-                   PARTS: tl.constexpr, BLOCK: tl.constexpr, TMA: tl.constexpr):
+                   PARTS: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
         # Key and value rows of entry `entry` of the (selected tile, column block) list, and which of them count.
-        part = entry % PARTS * BLOCK
+        part = entry % PARTS * BLOCK_N
         kv_tile = tl.load(sel_base + (entry // PARTS) * s_sk)
         kv_start = tl.load(KOff + kv_tile) + part
         key_ok = part + rows < tl.load(KSizes + kv_tile)
@@ -289,17 +312,19 @@ if triton is not None:
                          Gate, s_gb, s_gh, s_gs, Coarse, s_cb, s_ch, s_cn,
                          Sel, s_sb, s_sh, s_sn, s_sk, QOff, QSizes, KOff, KSizes,
                          num_heads, topk, scale_log2,
-                         TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                         TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          TMA: tl.constexpr, HAS_GATE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         # Q, K, V: TMA descriptors of 2-D row views (TMA) or base pointers; element [b, h, s, :] of each is
         # row (b * rb + h * rh + s), columns from (b * cb + h * ch), rows s_* elements apart.
-        PARTS: tl.constexpr = TILE // BLOCK
-        q_tile = tl.program_id(0) // PARTS
-        q_row = tl.program_id(0) % PARTS * BLOCK
+        Q_PARTS: tl.constexpr = TILE // BLOCK_M
+        PARTS: tl.constexpr = TILE // BLOCK_N
+        q_tile = tl.program_id(0) // Q_PARTS
+        q_row = tl.program_id(0) % Q_PARTS * BLOCK_M
         bh = tl.program_id(1)
         b = bh // num_heads
         h = bh % num_heads
-        rows = tl.arange(0, BLOCK)
+        rows = tl.arange(0, BLOCK_M)
+        key_rows = tl.arange(0, BLOCK_N)
         dims = tl.arange(0, HEAD_DIM)
         q_start = tl.load(QOff + q_tile)
         q_count = tl.load(QSizes + q_tile)
@@ -314,16 +339,16 @@ if triton is not None:
         v_row0 = b * v_rb + h * v_rh
         v_col = (b * v_cb + h * v_ch).to(tl.int64)
         sel_base = Sel + b.to(tl.int64) * s_sb + h.to(tl.int64) * s_sh + q_tile.to(tl.int64) * s_sn
-        m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK], dtype=tl.float32)
-        acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         # One loop over the (selected tile, column block) entries, so that the pipeliner keeps one entry's loads
         # per stage. A column block of masked rows only (a partial tile's) adds nothing: its scores are -inf and
         # the running maximum is finite from the first entry on (every tile has at least one token).
         entries = topk * PARTS
         for entry in tl.range(0, entries, warp_specialize=WARP_SPECIALIZE):
             k, vals, key_ok = _key_block(K, V, KOff, KSizes, sel_base, s_sk, entry, k_row0, k_col, v_row0, v_col,
-                                         s_k, s_v, rows, dims, PARTS, BLOCK, TMA)
+                                         s_k, s_v, key_rows, dims, PARTS, BLOCK_N, TMA)
             # Scores stay unscaled: the scale goes into exp2's argument as one fused multiply-add per score.
             s = tl.where(key_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
