@@ -314,17 +314,7 @@ def main() -> int:
                           "select1_bits2": {"select_bits": 2}, "select4_bits2": {"select_rows": 4, "select_bits": 2},
                           "select8_bits2": {"select_rows": 8, "select_bits": 2}, "select1_bits4": {"select_bits": 4},
                           "means_w2": {"mean_warps": 2}, "means_h4": {"mean_heads": 4},
-                          "means_h12": {"mean_heads": 12}, "means_h4_w8": {"mean_heads": 4, "mean_warps": 8},
-                          "c32": {"score_cols": 32}, "c16": {"score_cols": 16}, "sw8": {"score_warps": 8},
-                          "splits2": {"score_splits": 2}, "splits4": {"score_splits": 4},
-                          "splits8": {"score_splits": 8}, "splits4_c32": {"score_splits": 4, "score_cols": 32},
-                          "splits8_c32": {"score_splits": 8, "score_cols": 32},
-                          "splits4_c16": {"score_splits": 4, "score_cols": 16},
-                          "splits8_c16": {"score_splits": 8, "score_cols": 16},
-                          "splits4_sw8": {"score_splits": 4, "score_warps": 8},
-                          "means_heads_first": {"mean_heads_first": True},
-                          "means_heads_first_h2": {"mean_heads_first": True, "mean_heads": 2},
-                          "means_heads_first_w8": {"mean_heads_first": True, "mean_warps": 8}}
+                          "means_h12": {"mean_heads": 12}, "means_h4_w8": {"mean_heads": 4, "mean_warps": 8}}
         for label, cfg in coarse_configs.items():
             cases[f"coarse_{label}"] = (lambda c=cfg: coarse_packed(c))
             cases[f"vsa_random_gate_packed_{label}"] = (lambda c=cfg: _with_coarse_config(

@@ -71,21 +71,11 @@ def test_triton_tile_means_cuda():
 @cuda
 @pytest.mark.parametrize("tile,head_dim", [((4, 4, 4), 128), ((2, 2, 4), 64), ((4, 8, 8), 128), ((2, 2, 2), 32)])
 @pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9])
-@pytest.mark.parametrize("config", [{}, {"score_splits": 4, "score_cols": 16}, {"mean_heads_first": True}], ids=str)
-def test_triton_coarse_stage_cuda(tile, head_dim, sparsity, config):
+def test_triton_coarse_stage_cuda(tile, head_dim, sparsity):
     """GPU-only: the coarse stage (means, scores, top-k, coarse output) on packed tiles in the ``[B, S, H, D]``
     layout of the model, all query tiles and a range of them: the selected key tiles are the top-k of
     torch's float32 products of the same means (as sets; increasing and distinct), and the coarse output is
-    ``softmax(scale * products) @ v_means``; at the default launch configuration, with the scores split over
-    the key tiles (two or three splits of 16-tile steps here, merged by the top-k kernel) and with the means
-    kernel's grid over head groups first."""
-    from diffusers_sp.kernels import vsa_coarse_triton
-
-    with mock.patch.object(vsa_coarse_triton, "DEFAULT_CONFIG", dict(vsa_coarse_triton.DEFAULT_CONFIG, **config)):
-        _check_coarse_stage(tile, head_dim, sparsity)
-
-
-def _check_coarse_stage(tile, head_dim, sparsity):
+    ``softmax(scale * products) @ v_means``."""
     from diffusers_sp.kernels.vsa_coarse_triton import coarse_stage_triton, tile_means_triton
 
     layout = make_tile_layout((5, 10, 9) if tile[1] < 8 else (9, 20, 18), tile)
@@ -140,7 +130,7 @@ _INTERPRETED = textwrap.dedent("""
     import torch
     from diffusers_sp.kernels import vsa
     from diffusers_sp.kernels.tiles import make_tile_layout, packed_offsets, tile_range_tokens, tile_tokens
-    from diffusers_sp.kernels.vsa_coarse_triton import _launch_means, _launch_topk, topk_tiles_triton
+    from diffusers_sp.kernels.vsa_coarse_triton import _launch_means, topk_tiles_triton
 
     rows, expected = ROWS, EXPECTED
     for per_program, bits in ((1, 2), (2, 1), (8, 2), (1, 4)):
@@ -158,33 +148,12 @@ _INTERPRETED = textwrap.dedent("""
     x = [torch.randn(2, 3, layout.num_tokens, 32, generator=gen).to(torch.bfloat16) for _ in range(3)]
     sizes = layout.block_sizes.to(torch.int32)
     order = tile_range_tokens(layout, 0, layout.num_tiles)
-    for heads, first in ((1, False), (2, False), (3, False), (1, True), (2, True)):
-        # heads per program (2 leaves a partial group of the 3 heads); grid axis 0 over tiles or head groups
+    for heads in (1, 2, 3):  # heads per program; 2 leaves a partial group of the 3 heads
         means = _launch_means([t.index_select(2, order) for t in x], (packed_offsets(sizes), sizes),
-                              (packed_offsets(sizes), sizes), layout.tile_volume,
-                              {"mean_heads": heads, "mean_heads_first": first})
+                              (packed_offsets(sizes), sizes), layout.tile_volume, {"mean_heads": heads})
         for got, t in zip(means, x):
             want = vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long())
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    # The top-k kernel merging split-K softmax states into the coarse output: splits of 17, 17 and 16 key tiles
-    # (three of four slots), one and two rows per program.
-    scale_log2 = 0.3 * 1.4426950408889634
-    values = torch.randn(3 * 7, 50, 16, generator=gen)
-    flat = scores.view(-1, 50)
-    stats, outs = torch.empty(2, 3, flat.shape[0]), torch.empty(3, flat.shape[0], 16)
-    for i, (lo, hi) in enumerate(((0, 17), (17, 34), (34, 50))):
-        t = flat[:, lo:hi] * scale_log2
-        stats[0, i] = t.max(-1).values
-        p = torch.exp2(t - stats[0, i, :, None])
-        stats[1, i] = p.sum(-1)
-        outs[i] = (p[:, :, None] * values[:, lo:hi]).sum(1)
-    want = torch.einsum("rk,rkd->rd", torch.softmax(flat * 0.3, dim=-1), values)
-    for per_program in (1, 2):
-        coarse = torch.empty(flat.shape[0], 16)
-        got = _launch_topk(scores, 9, per_program, 1, (stats, outs, coarse, 3))
-        assert [set(r) for r in got.view(-1, 9).tolist()] == \
-            [set(r) for r in scores.topk(9, dim=-1).indices.view(-1, 9).tolist()]
-        torch.testing.assert_close(coarse, want, rtol=1e-5, atol=1e-5)
     print("interpreted kernels ok")
 """)
 
@@ -192,9 +161,8 @@ _INTERPRETED = textwrap.dedent("""
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
 def test_coarse_kernels_in_triton_interpreter():
     """The top-k kernel (ties, negatives, signed zeros, NaN; one and several rows per program; radix digits of
-    1, 2 and 4 bits; k of 1, some and all; merging split-K softmax states into the coarse output) and the
-    three-tensor means kernel (one, two and three heads per program, the grid over tiles or head groups first),
-    run by Triton's interpreter on CPU tensors."""
+    1, 2 and 4 bits; k of 1, some and all) and the three-tensor means kernel (one, two and three heads per
+    program), run by Triton's interpreter on CPU tensors."""
     rows, expected = _tie_rows()
     literal = repr(rows.tolist()).replace("nan", "float('nan')")
     script = _INTERPRETED.replace("ROWS", f"torch.tensor({literal})").replace("EXPECTED", repr(expected))

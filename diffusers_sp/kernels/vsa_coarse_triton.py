@@ -14,14 +14,11 @@ launches:
 2. ``_tile_scores_kernel``: per block of query tiles, the scores against every key tile (written out for the
    selection) and, with an output wanted, the online softmax (FlashAttention's recurrence, T. Dao et al.,
    arXiv 2205.14135) over them times the value means. The products run on tensor cores as three TF32
-   products (``tf32x3``: float32 split into a high and a low TF32 part), close to float32. With
-   ``score_splits`` above 1 the key tiles are split among programs (split-K, as FlashDecoding splits the keys:
-   T. Dao et al., 2023), each keeping its own running maximum, sum and output;
+   products (``tf32x3``: float32 split into a high and a low TF32 part), close to float32;
 3. ``_topk_tiles_kernel``: per row of scores held in registers, the k-th largest score by a radix select on
    the scores' order-preserving integer keys (digits of one bit by default, MSB first: the classic selection
-   by digits, as in ``torch.topk``'s CUDA radix select), then every score above it and as many equal to it as
-   are still wanted, written as a list of key-tile indices in column order; after split scores it also merges
-   the row's softmax states into its coarse output.
+   by digits, as in ``torch.topk``'s CUDA radix select), then every score above it and as many equal to it as are still
+   wanted, written as a list of key-tile indices in column order.
 
 Selection runs on the unscaled products (a positive scale keeps their order). Ties at the k-th score go to
 the lower tile index (``torch.topk`` leaves their choice open). Rows longer than :data:`MAX_SELECT_TILES`
@@ -54,8 +51,8 @@ from .vsa_triton import _LOG2_E, _unit_last_stride
 #: compares) ran fastest: at 624 key tiles on an H100 the coarse stage took 0.35 / 0.30 ms synced / queued,
 #: against 0.46 / 0.38 at four rows and two bits, 0.64 / 0.54 at eight rows, 0.50 / 0.45 at one row and four
 #: bits (the torch path: 0.56 / 0.48; benchmarks/RESULTS.md).
-DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 4, "mean_heads_first": False, "score_rows": 16, "score_cols": 64,
-                  "score_stages": 2, "score_warps": 4, "score_splits": 1, "select_rows": 1, "select_bits": 1}
+DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 4, "score_rows": 16, "score_cols": 64, "score_stages": 2,
+                  "select_rows": 1, "select_bits": 1}
 #: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
 MAX_SELECT_TILES = 8192
 
@@ -120,13 +117,9 @@ def _launch_means(tensors, q_tiles, kv_tiles, tile_volume, config=None):
     padded = (tensors + tensors[-1:] * 2)[:3]  # unused slots repeat the last tensor; no program reads them
     strides = [s for t in padded for s in t.stride()[:3]]
     heads = min(cfg["mean_heads"], H)
-    groups = B * triton.cdiv(H, heads)
-    heads_first = cfg["mean_heads_first"] and max(counts) < 65536  # grid axis 1 holds at most 65535
-    grid = (groups, max(counts), len(tensors)) if heads_first else (max(counts), groups, len(tensors))
-    _tile_means_kernel[grid](
+    _tile_means_kernel[(max(counts), B * triton.cdiv(H, heads), len(tensors))](
         *padded, *strides, *(outs + outs[-1:] * 2)[:3], *q_tiles, *kv_tiles, counts[0], counts[-1], H,
-        TILE=tile_volume, HEAD_DIM=D, BLOCK=min(tile_volume, 64), HEADS=heads, HEADS_FIRST=heads_first,
-        num_warps=cfg["mean_warps"])
+        TILE=tile_volume, HEAD_DIM=D, BLOCK=min(tile_volume, 64), HEADS=heads, num_warps=cfg["mean_warps"])
     return outs
 
 
@@ -142,25 +135,12 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
     num_kv = means[1].shape[2]
     scores = torch.empty((B, H, num_q, num_kv), device=q.device, dtype=torch.float32)
     coarse = torch.empty((B, H, num_q, D) if with_output else (0,), device=q.device, dtype=torch.float32)
-    # Split-K over the key tiles: each split's programs keep their own softmax state (running maximum, sum and
-    # output), merged per row by the top-k kernel; every split gets at least one key tile.
-    cols = cfg["score_cols"]
-    split_cols = triton.cdiv(triton.cdiv(num_kv, cfg["score_splits"]), cols) * cols
-    splits = triton.cdiv(num_kv, split_cols)
-    merged = with_output and splits > 1 and num_kv <= MAX_SELECT_TILES
-    if not merged:
-        split_cols, splits = triton.cdiv(num_kv, cols) * cols, 1
-    rows = B * H * num_q
-    part_stats = torch.empty((2, splits, rows) if merged else (0,), device=q.device, dtype=torch.float32)
-    part_out = torch.empty((splits, rows, D) if merged else (0,), device=q.device, dtype=torch.float32)
-    _tile_scores_kernel[(triton.cdiv(num_q, cfg["score_rows"]), B * H, splits)](
-        means[0], means[1], means[-1], scores, coarse, part_stats, part_out, num_q, num_kv, split_cols,
-        scale * _LOG2_E, HEAD_DIM=D, ROWS=cfg["score_rows"], COLS=cols, HAS_OUT=with_output, SPLIT=merged,
-        num_warps=cfg["score_warps"], num_stages=cfg["score_stages"])
-    if num_kv > MAX_SELECT_TILES:
-        return scores.topk(topk, dim=-1, sorted=False).indices.to(torch.int32), coarse
-    return _launch_topk(scores, topk, cfg["select_rows"], cfg["select_bits"],
-                        (part_stats, part_out, coarse, splits) if merged else None), coarse
+    _tile_scores_kernel[(triton.cdiv(num_q, cfg["score_rows"]), B * H)](
+        means[0], means[1], means[-1], scores, coarse, num_q, num_kv, scale * _LOG2_E, HEAD_DIM=D,
+        ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, num_warps=4,
+        num_stages=cfg["score_stages"])
+    return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"],
+                             bits_per_step=cfg["select_bits"]), coarse
 
 
 def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 1,
@@ -183,35 +163,19 @@ def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int 
     Raises:
         ValueError: ``bits_per_step`` not 1, 2 or 4.
     """
-    _check_bits(bits_per_step)
-    if scores.shape[-1] > MAX_SELECT_TILES:
-        return scores.topk(topk, dim=-1, sorted=False).indices.to(torch.int32)
-    return _launch_topk(scores, topk, rows_per_program, bits_per_step, None)
-
-
-def _launch_topk(scores, topk, rows_per_program, bits_per_step, merge):
-    """Launches the top-k kernel on rows of at most :data:`MAX_SELECT_TILES` scores (see
-    :func:`topk_tiles_triton`). ``merge``: None, or the coarse stage's split-K softmax states ``(stats [2,
-    splits, rows], outputs [splits, rows, D], coarse [rows, D], splits)``, which the kernel then also merges
-    into each row's coarse output."""
-    _check_bits(bits_per_step)
+    if bits_per_step not in (1, 2, 4):
+        raise ValueError(f"bits_per_step must be 1, 2 or 4 (a divisor of the 32-bit keys), got {bits_per_step}")
     num_kv = scores.shape[-1]
+    if num_kv > MAX_SELECT_TILES:
+        return scores.topk(topk, dim=-1, sorted=False).indices.to(torch.int32)
     selected = torch.empty(scores.shape[:-1] + (topk,), device=scores.device, dtype=torch.int32)
     row_len = triton.next_power_of_2(num_kv)
     rows = triton.next_power_of_2(rows_per_program)
     num_rows = scores.numel() // num_kv
     warps = min(8, max(1, rows * row_len // 1024))
-    stats, outs, coarse, splits = merge if merge is not None else (selected, selected, selected, 1)
-    _topk_tiles_kernel[(triton.cdiv(num_rows, rows),)](
-        scores, selected, stats, outs, coarse, num_rows, num_kv, topk, splits, ROWS=rows, ROW_LEN=row_len,
-        BITS=bits_per_step, MERGE=merge is not None, SPLITS=triton.next_power_of_2(splits),
-        HEAD_DIM=outs.shape[-1] if merge is not None else 16, num_warps=warps)
+    _topk_tiles_kernel[(triton.cdiv(num_rows, rows),)](scores, selected, num_rows, num_kv, topk, ROWS=rows,
+                                                       ROW_LEN=row_len, BITS=bits_per_step, num_warps=warps)
     return selected
-
-
-def _check_bits(bits_per_step: int) -> None:
-    if bits_per_step not in (1, 2, 4):
-        raise ValueError(f"bits_per_step must be 1, 2 or 4 (a divisor of the 32-bit keys), got {bits_per_step}")
 
 
 @torch.library.custom_op("diffusers_sp::vsa_coarse_stage_triton", mutates_args=())
@@ -251,23 +215,15 @@ if triton is not None:
     @triton.jit
     def _tile_means_kernel(Q, K, V, s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, QMean, KMean, VMean,
                            QOff, QSizes, KOff, KSizes, num_q, num_kv, num_heads,
-                           TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr,
-                           HEADS_FIRST: tl.constexpr):
+                           TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr):
         # One program per (tile, batch and group of HEADS heads, tensor): tensor 0 is q (num_q tiles), 1 and
-        # 2 are k and v; the heads' loads are independent, so one program keeps several in flight. HEADS_FIRST:
-        # grid axis 0 runs over the head groups, so programs launched together read neighbouring heads of the
-        # same tokens (one stretch of memory where heads are the inner dimension, as in [B, S, H, D]).
-        if HEADS_FIRST:
-            tile = tl.program_id(1)
-            group = tl.program_id(0)
-        else:
-            tile = tl.program_id(0)
-            group = tl.program_id(1)
+        # 2 are k and v; the heads' loads are independent, so one program keeps several in flight.
+        tile = tl.program_id(0)
         groups = tl.cdiv(num_heads, HEADS)
-        b = group // groups
+        b = tl.program_id(1) // groups
         which = tl.program_id(2)
         for i in tl.static_range(HEADS):
-            h = group % groups * HEADS + i
+            h = tl.program_id(1) % groups * HEADS + i
             if h < num_heads:
                 if which == 0:
                     if tile < num_q:
@@ -282,14 +238,10 @@ if triton is not None:
                                    TILE, HEAD_DIM, BLOCK)
 
     @triton.jit
-    def _tile_scores_kernel(QMean, KMean, VMean, Scores, Coarse, PartStats, PartOut, num_q, num_kv, split_cols,
-                            scale_log2, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                            HAS_OUT: tl.constexpr, SPLIT: tl.constexpr):
-        # One program per (block of ROWS query tiles, batch * head, split of split_cols key tiles); means are
-        # contiguous [B, H, N, D]. SPLIT: the split's softmax state goes to PartStats / PartOut, else the output
-        # to Coarse.
+    def _tile_scores_kernel(QMean, KMean, VMean, Scores, Coarse, num_q, num_kv, scale_log2,
+                            HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, HAS_OUT: tl.constexpr):
+        # One program per (block of ROWS query tiles, batch * head); means are contiguous [B, H, N, D].
         bh = tl.program_id(1).to(tl.int64)
-        split = tl.program_id(2)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         dims = tl.arange(0, HEAD_DIM)
         row_ok = rows < num_q
@@ -298,11 +250,9 @@ if triton is not None:
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-        first_col = split * split_cols
-        last_col = tl.minimum(first_col + split_cols, num_kv)
-        for first in range(first_col, last_col, COLS):
+        for first in range(0, num_kv, COLS):
             cols = first + tl.arange(0, COLS)
-            col_ok = cols < last_col
+            col_ok = cols < num_kv
             kv_rows = bh * num_kv + cols
             km = tl.load(KMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
             s = tl.dot(qm, tl.trans(km), input_precision="tf32x3")
@@ -317,38 +267,13 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p, vm, input_precision="tf32x3")
                 m_i = m_new
         if HAS_OUT:
-            if SPLIT:
-                num_rows = tl.num_programs(1) * num_q
-                part = split * num_rows + q_rows
-                tl.store(PartStats + part, m_i, mask=row_ok)
-                tl.store(PartStats + tl.num_programs(2) * num_rows + part, l_i, mask=row_ok)
-                tl.store(PartOut + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
-            else:
-                tl.store(Coarse + q_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
-                         mask=row_ok[:, None])
+            tl.store(Coarse + q_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
 
     @triton.jit
-    def _topk_tiles_kernel(Scores, Sel, PartStats, PartOut, Coarse, num_rows, num_kv, topk, splits,
-                           ROWS: tl.constexpr, ROW_LEN: tl.constexpr, BITS: tl.constexpr, MERGE: tl.constexpr,
-                           SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-        # One program per ROWS rows of scores [num_rows, num_kv]; writes Sel [num_rows, topk] (int32). MERGE:
-        # also the coarse output of each row, from the softmax states (maximum m, sum l, unnormalised output)
-        # of its `splits` key-tile splits: sum_s 2^(m_s - M) out_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
+    def _topk_tiles_kernel(Scores, Sel, num_rows, num_kv, topk, ROWS: tl.constexpr, ROW_LEN: tl.constexpr,
+                           BITS: tl.constexpr):
+        # One program per ROWS rows of scores [num_rows, num_kv]; writes Sel [num_rows, topk] (int32).
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        if MERGE:
-            parts = tl.arange(0, SPLITS)
-            dims = tl.arange(0, HEAD_DIM)
-            for r in tl.static_range(ROWS):
-                row = tl.program_id(0) * ROWS + r
-                if row < num_rows:
-                    at = parts.to(tl.int64) * num_rows + row
-                    m = tl.load(PartStats + at, mask=parts < splits, other=float("-inf"))
-                    weight = tl.math.exp2(m - tl.max(m, 0))
-                    total = tl.sum(weight * tl.load(PartStats + splits * num_rows + at, mask=parts < splits,
-                                                    other=0.0), 0)
-                    out = tl.load(PartOut + at[:, None] * HEAD_DIM + dims[None, :], mask=(parts < splits)[:, None],
-                                  other=0.0)
-                    tl.store(Coarse + row.to(tl.int64) * HEAD_DIM + dims, tl.sum(weight[:, None] * out, 0) / total)
         cols = tl.arange(0, ROW_LEN)
         ok = (rows < num_rows)[:, None] & (cols < num_kv)[None, :]
         s = tl.load(Scores + rows.to(tl.int64)[:, None] * num_kv + cols[None, :], mask=ok, other=float("-inf"))
