@@ -96,7 +96,6 @@ def test_mask_kind(shape, expected):
 
 def test_masks_that_broadcast_over_keys_stay_on_sdpa():
     """A [B, 1, 1, 1] mask broadcasts one value over every key: SDPA's semantics, not a key padding mask."""
-    q, k = torch.zeros(2, 3, 5, 16), torch.zeros(2, 3, 7, 16)
     mask = torch.tensor([True, False]).view(2, 1, 1, 1)
     assert sdpa.mask_kind(mask, 2, 7) == "other"
     assert fa4.key_padding_rows(mask, 2, 7) is None
