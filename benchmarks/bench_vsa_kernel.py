@@ -85,19 +85,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
-def _with_coarse_config(config: dict, fn):
-    """``fn()`` with the coarse stage's launch configuration overridden by ``config``."""
+def _with_config(kernels, config: dict, fn):
+    """``fn()`` with the launch configuration of ``kernels`` (:mod:`vsa_triton`, the fine stage, or
+    :mod:`vsa_coarse_triton`, the coarse stage) overridden by ``config``."""
     from unittest import mock
 
-    with mock.patch.object(vsa_coarse_triton, "DEFAULT_CONFIG", dict(vsa_coarse_triton.DEFAULT_CONFIG, **config)):
-        return fn()
-
-
-def _with_fine_config(config: dict, fn):
-    """``fn()`` with the fine stage's launch configuration overridden by ``config``."""
-    from unittest import mock
-
-    with mock.patch.object(vsa_triton, "DEFAULT_CONFIG", dict(vsa_triton.DEFAULT_CONFIG, **config)):
+    with mock.patch.object(kernels, "DEFAULT_CONFIG", dict(kernels.DEFAULT_CONFIG, **config)):
         return fn()
 
 
@@ -278,8 +271,8 @@ def main() -> int:
         "fine_stage_only_flex": fine_stage_only,
     }
     if layout.tile_volume > 64:  # the whole call with query blocks of 64 rows, as before blocks of 128
-        cases["vsa_random_gate_packed_m64"] = lambda: _with_fine_config({"block_m": 64},
-                                                                         lambda: vsa_packed(with_gate=True))
+        cases["vsa_random_gate_packed_m64"] = lambda: _with_config(vsa_triton, {"block_m": 64},
+                                                                   lambda: vsa_packed(with_gate=True))
     cases["coarse_stage_and_topk_unsorted"] = lambda: coarse_and_topk(sorted_topk=False)
     has_fa4 = fa4.fa4_block_sparse_applies(qt, kt, vt) is None
     if fa4.fa4_installed():  # dense FA4 at every tiling: the block-sparse path takes 64-slot tiles only
@@ -317,8 +310,8 @@ def main() -> int:
                           "means_h12": {"mean_heads": 12}, "means_h4_w8": {"mean_heads": 4, "mean_warps": 8}}
         for label, cfg in coarse_configs.items():
             cases[f"coarse_{label}"] = (lambda c=cfg: coarse_packed(c))
-            cases[f"vsa_random_gate_packed_{label}"] = (lambda c=cfg: _with_coarse_config(
-                c, lambda: vsa_packed(with_gate=True)))
+            cases[f"vsa_random_gate_packed_{label}"] = (lambda c=cfg: _with_config(
+                vsa_coarse_triton, c, lambda: vsa_packed(with_gate=True)))
     if args.bound:
         for part in ("loads", "dots"):
             for stages in (2, 3, 4):

@@ -394,7 +394,7 @@ def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
 def test_triton_fine_stage_configs_cuda(config, tile):
     """GPU-only: the fine stage at several top-k, with the tensor-descriptor (TMA) loads, which must
     actually run (Hopper), and with ordinary loads, for 64-, 128- and 256-slot tiles (key tiles in column
-    blocks of 64; query rows in blocks of 32, 64 or 128 per program, on four or eight warps). Fine stage
+    blocks of 64; query rows in blocks of 32, 64 or 128 per program, on four warps). Fine stage
     against the reference's on the valid rows."""
     from diffusers_sp.kernels.vsa_triton import fine_stage_triton, tma_applies
 

@@ -62,10 +62,11 @@ _BLOCK_M = 128
 #: of the key loop (``tl.range(warp_specialize=True)``), for benchmarks: slower here (H200: 4.0-4.9 ms against
 #: 2.35-2.45), as were two key blocks per step sharing one rescale of the accumulator (3.5-3.8 ms).
 #: ``block_m``: query rows per program, None meaning ``min(V, 128)`` with TMA loads and ``min(V, 64)`` without
-#: (128 rows spill more registers with ordinary loads). At tiles of 128 and 256 slots, 128 rows on four warps
-#: and three stages (about 430 bytes of register spills with the gate, sm90) ran the whole call queued 2.48 /
-#: 2.51 ms (4x8x8 / 4x4x8) against 2.55 / 2.64 at 64 rows, H100, same run; on eight warps (two warpgroups, no
-#: spills) 128 rows were slower than 64 (benchmarks/RESULTS.md). ``num_stages=None``: 3 at 128 rows with TMA.
+#: (128 rows on four warps with the gate spill 1256 bytes of registers with ordinary loads, 432 with TMA;
+#: sm90). At tiles of 128 and 256 slots, 128 rows on four warps and three stages ran the whole call queued
+#: 2.48 / 2.51 ms (4x8x8 / 4x4x8) against 2.55 / 2.64 at 64 rows, H100, same run; on eight warps (two
+#: warpgroups, no spills) 128 rows were slower than 64 (benchmarks/RESULTS.md). ``num_stages=None``: 3 at 128
+#: rows with TMA.
 DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False, "block_m": None}
 
 
