@@ -16,8 +16,10 @@ Times (median of CUDA-event timings after warm-up):
     BlockMask, FA4 block-sparse), to separate the sparse kernel from the coarse stage and top-k;
   * ``--sweep``: the Triton kernels' launch configurations (``--sweep-coarse``: the coarse stage's only);
     ``--bound``: two stripped copies of the fine stage (loads only; loads and both matrix products without
-    softmax); ``--profile``: a ``torch.profiler`` summary of one packed call with a gate (time per kernel:
-    tile means, tile scores, top-k, fine stage).
+    softmax), with ordinary and with TMA loads; ``--profile``: a ``torch.profiler`` summary of one packed call with a gate (time per kernel:
+    tile means, tile scores, top-k, fine stage);
+  * host time per call (Python and launches, the GPU kept busy) of the packed calls, the coarse stage and
+    the fine stage, to tell a call on an idle GPU ("synced") waiting for its launches from the kernels' time.
 Checks VSA at sparsity 0 with a zero gate against dense attention, and the backends against each
 other (relative Frobenius error <= 1e-2 in bf16; the script exits 1 otherwise).
 
@@ -31,6 +33,7 @@ import json
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -49,6 +52,9 @@ QUICK_GRID = (9, 16, 24)
 TILE = (4, 4, 4)
 HEADS, HEAD_DIM, BATCH = 12, 128, 1
 ACCURACY_LIMIT = 1e-2
+#: Cases whose host time per call is also measured (:func:`time_host_ms`).
+HOST_TIMED = ("vsa_zero_gate_packed", "vsa_random_gate_packed", "coarse_stage_and_topk_packed",
+              "fine_stage_only_triton")
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
@@ -79,6 +85,22 @@ def time_ms_back_to_back(fn, iters: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def time_host_ms(fn, iters: int) -> float:
+    """Median host time of one call in milliseconds: its Python and kernel launches, timed while an earlier
+    sleep kernel keeps the GPU busy, so that no launch waits for the device. Where a call's host time exceeds
+    its device time, the GPU idles between its kernels unless earlier work is queued ahead of them."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        torch.cuda._sleep(50_000_000)  # GPU clock cycles: ~25 ms, far longer than one call's launches
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -134,6 +156,49 @@ def _stripped_fine_stage(q, k, v, selected, part: str, stages: int):
     return out
 
 
+def _stripped_fine_stage_tma(q, k, v, selected, part: str, stages: int):
+    """As :func:`_stripped_fine_stage`, with the query and key/value tiles loaded by the tensor-memory
+    accelerator (TMA, host tensor descriptors) as the fine stage loads them on Hopper, key loop pipelined
+    ``stages`` deep. ``"loads"`` bounds what feeding the fine stage costs, ``"dots"`` what it would cost with
+    the softmax hidden entirely under the matrix products (a warp-specialised kernel's best case).
+    Benchmark only: the result is not attention."""
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not hasattr(_stripped_fine_stage_tma, "kernel"):
+        @triton.jit
+        def kernel(q_desc, k_desc, v_desc, o_desc, Sel, s_sh, s_sn, num_tiles, topk,
+                   TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DOTS: tl.constexpr, STAGES: tl.constexpr):
+            q_tile = tl.program_id(0)
+            h = tl.program_id(1)
+            base = h * num_tiles * TILE  # batch 1: row of token 0 of head h in the [H * N * V, D] table
+            q = q_desc.load([base + q_tile * TILE, 0])
+            acc = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
+            for i in tl.range(0, topk, num_stages=STAGES):
+                row = base + tl.load(Sel + h * s_sh + q_tile * s_sn + i) * TILE
+                kk = k_desc.load([row, 0])
+                vv = v_desc.load([row, 0])
+                if DOTS:
+                    s = tl.dot(q, tl.trans(kk))
+                    acc = tl.dot(s.to(vv.dtype), vv, acc)
+                else:
+                    acc += kk.to(tl.float32) + vv.to(tl.float32)
+            o_desc.store([base + q_tile * TILE, 0], acc.to(o_desc.dtype))
+
+        _stripped_fine_stage_tma.kernel = kernel
+    batch, heads, tiles, tile_volume, head_dim = q.shape
+    assert batch == 1, "the stripped kernels index batch 1"
+    out = torch.empty_like(q)
+    descs = [TensorDescriptor.from_tensor(t.contiguous().view(-1, head_dim), [tile_volume, head_dim])
+             for t in (q, k, v, out)]
+    sel = selected.to(torch.int32).contiguous()
+    _stripped_fine_stage_tma.kernel[(tiles, heads)](
+        *descs, sel, sel.stride(1), sel.stride(2), tiles, sel.shape[-1], TILE=tile_volume, HEAD_DIM=head_dim,
+        DOTS=part == "dots", STAGES=stages, num_warps=4)
+    return out
+
+
 def profile_call(fn, calls: int = 10) -> list[dict]:
     """CUDA time per kernel of ``fn`` (``torch.profiler``, ``calls`` calls after a warm-up), in ms per call,
     largest first."""
@@ -169,7 +234,8 @@ def main() -> int:
                         help="also profile one packed VSA call with a gate (CUDA time per kernel)")
     parser.add_argument("--bound", action="store_true",
                         help="also time two stripped copies of the fine stage (same grid, same gathers): "
-                             "loads only, and loads with both matrix products but no softmax")
+                             "loads only, and loads with both matrix products but no softmax (ordinary and TMA "
+                             "loads)")
     parser.add_argument("--only", default=None, metavar="REGEX",
                         help="time only the cases whose name matches this regular expression (the accuracy checks "
                              "run in full)")
@@ -317,6 +383,10 @@ def main() -> int:
             for stages in (2, 3, 4):
                 cases[f"bound_{part}_only_s{stages}"] = (
                     lambda p=part, st=stages: _stripped_fine_stage(qt, kt, vt, selected, p, st))
+            if layout.tile_volume == 64:  # TMA loads, as the fine stage loads on Hopper (one key block a tile)
+                for stages in (3, 5):
+                    cases[f"bound_tma_{part}_only_s{stages}"] = (
+                        lambda p=part, st=stages: _stripped_fine_stage_tma(qt, kt, vt, selected, p, st))
     if args.only:
         cases = {name: fn for name, fn in cases.items() if re.search(args.only, name)}
     results = {}
@@ -325,6 +395,8 @@ def main() -> int:
             results[name] = {"ms": time_ms(fn, **timing)}
             if name.startswith("vsa") or name.startswith("coarse"):
                 results[name]["ms_back_to_back"] = time_ms_back_to_back(fn, args.iters)
+            if name in HOST_TIMED:
+                results[name]["host_ms"] = time_host_ms(fn, args.iters)
         except Exception as err:  # e.g. an SDPA backend or a launch configuration that does not fit
             results[name] = {"ms": None, "error": str(err).splitlines()[0]}
 
@@ -411,6 +483,7 @@ def main() -> int:
         ratios = " ".join(f"{r[key]:8.2f}" if key in r else f"{'-':>8s}" for key in
                           ("speedup_vs_best_dense", "speedup_vs_dense_sdpa_cudnn", "speedup_vs_dense_fa4"))
         queued = f"  back to back {r['ms_back_to_back']:.3f} ms" if "ms_back_to_back" in r else ""
+        queued += f"  host {r['host_ms']:.3f} ms" if "host_ms" in r else ""
         print(f"{name:32s} {r['ms']:9.3f} {r['tflops']:9.1f} {ratios}{queued}")
     for row in report["profile_packed_random_gate"] or []:
         print(f"  profile: {row['cuda_ms']:8.3f} ms x{row['calls']:<3d} {row['kernel'][:90]}")
