@@ -13,7 +13,9 @@ Times (median of CUDA-event timings after warm-up):
     output) and on pre-tiled tensors; the zero-gate case also with the flex backend; with
     FlashAttention-4 installed, the same with the FA4 block-sparse fine stage (``backend="fa4"``);
   * the fine stage alone (Triton default, Triton with ordinary loads, flex_attention with a prebuilt
-    BlockMask, FA4 block-sparse), to separate the sparse kernel from the coarse stage and top-k;
+    BlockMask, FA4 block-sparse; on Hopper at 64-token tiles also the warp-specialised Gluon kernel of
+    ``kernels/vsa_gluon.py`` against Triton's on the call's packed tensors, and the whole call with it), to
+    separate the sparse kernel from the coarse stage and top-k;
   * ``--sweep``: the Triton kernels' launch configurations (``--sweep-coarse``: the coarse stage's only);
     ``--bound``: two stripped copies of the fine stage (loads only; loads and both matrix products without
     softmax), with ordinary and with TMA loads; ``--profile``: a ``torch.profiler`` summary of one packed call with a gate (time per kernel:
@@ -42,7 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from diffusers_sp.kernels import fa4, vsa  # noqa: E402
-from diffusers_sp.kernels import vsa_coarse_triton, vsa_triton  # noqa: E402
+from diffusers_sp.kernels import vsa_coarse_triton, vsa_gluon, vsa_triton  # noqa: E402
 from diffusers_sp.kernels.vsa import (  # noqa: E402
     make_tile_layout, tile_range_tokens, tile_tokens, untile_tokens, video_sparse_attention,
     video_sparse_attention_packed, vsa_topk)
@@ -113,6 +115,19 @@ def _with_config(kernels, config: dict, fn):
     from unittest import mock
 
     with mock.patch.object(kernels, "DEFAULT_CONFIG", dict(kernels.DEFAULT_CONFIG, **config)):
+        return fn()
+
+
+def _with_gluon_fine_stage(fn, **options):
+    """``fn()`` with the packed VSA call's fine stage run by the warp-specialised Gluon kernel
+    (:mod:`vsa_gluon`, launch ``options``) instead of the Triton one."""
+    from unittest import mock
+
+    def gluon_stage(q, k, v, selected, **kwargs):
+        kwargs.pop("config", None)
+        return vsa_gluon.fine_stage_gluon_packed(q, k, v, selected, **kwargs, **options)
+
+    with mock.patch.object(vsa, "fine_stage_triton_packed", gluon_stage):
         return fn()
 
 
@@ -236,6 +251,7 @@ def main() -> int:
                         help="also time two stripped copies of the fine stage (same grid, same gathers): "
                              "loads only, and loads with both matrix products but no softmax (ordinary and TMA "
                              "loads)")
+    parser.add_argument("--no-gluon", action="store_true", help="leave out the Gluon fine stage")
     parser.add_argument("--only", default=None, metavar="REGEX",
                         help="time only the cases whose name matches this regular expression (the accuracy checks "
                              "run in full)")
@@ -320,6 +336,15 @@ def main() -> int:
         coarse = torch.softmax(products * scale, dim=-1) @ means[2]
         return products.topk(topk, dim=-1, sorted=False).indices, coarse
 
+    packed_stage_args = dict(q_offsets=offsets32, q_sizes=sizes32, kv_offsets=offsets32, kv_sizes=sizes32,
+                             tile_volume=layout.tile_volume, scale=scale)
+
+    def triton_packed_fine_stage_only():
+        return vsa_triton.fine_stage_triton_packed(*packed[:3], selected, **packed_stage_args)
+
+    def gluon_fine_stage_only(**options):
+        return vsa_gluon.fine_stage_gluon_packed(*packed[:3], selected, **packed_stage_args, **options)
+
     cases = {
         "dense_sdpa_cudnn": lambda: dense(SDPBackend.CUDNN_ATTENTION),
         "dense_sdpa_flash": lambda: dense(SDPBackend.FLASH_ATTENTION),
@@ -352,6 +377,17 @@ def main() -> int:
             "bound_fa4_all_blocks_full": fa4_whole_tiles_bound,
         })
     cases["fine_stage_only_triton_plain_s2"] = lambda: triton_fine_stage_only({"tma": False, "num_stages": 2})
+    has_gluon = not args.no_gluon and vsa_gluon.gluon_applies(*packed[:3], layout.tile_volume)
+    if has_gluon:  # the warp-specialised Gluon fine stage against Triton's on the packed tensors of the call
+        cases["fine_stage_only_triton_packed"] = triton_packed_fine_stage_only
+        for stages, regs, overlap in ((2, 128, False), (3, 128, False), (3, None, False), (4, None, False),
+                                      (2, 128, True), (3, 128, True), (4, None, True)):
+            cases[f"fine_stage_only_gluon_s{stages}_r{regs or 255}{'_overlap' if overlap else ''}"] = (
+                lambda st=stages, r=regs, o=overlap: gluon_fine_stage_only(stages=st, max_registers=r,
+                                                                           overlap_values=o))
+        cases["vsa_random_gate_packed_gluon"] = lambda: _with_gluon_fine_stage(lambda: vsa_packed(with_gate=True))
+        cases["vsa_random_gate_packed_gluon_overlap"] = lambda: _with_gluon_fine_stage(
+            lambda: vsa_packed(with_gate=True), overlap_values=True)
     if args.sweep:
         for stages in (2, 3, 4, 5, 6):
             cfg = {"tma": True, "num_stages": stages}
@@ -429,6 +465,11 @@ def main() -> int:
     packed_dense_error = relative_error(vsa_packed(with_gate=False, sparsity=0.0), dense_out.index_select(2, order))
     # The TMA variant against the default kernel on the same selection.
     tma_error = relative_error(triton_fine_stage_only(), triton_fine_stage_only({"tma": False}))
+    gluon_error = gluon_call_error = None
+    if has_gluon:  # the Gluon fine stage against Triton's on the same selection, and the whole call with it
+        gluon_error = relative_error(gluon_fine_stage_only(), triton_packed_fine_stage_only())
+        gluon_call_error = relative_error(_with_gluon_fine_stage(lambda: vsa_packed(with_gate=True)),
+                                          vsa_packed(with_gate=True))
     fa4_error = fa4_dense_error = fa4_sparse0_error = None
     if has_fa4:
         # The FA4 fine stage against Triton on the same selection, dense FA4 against SDPA, and FA4 VSA at
@@ -446,7 +487,8 @@ def main() -> int:
     coarse_error = relative_error(coarse_kernel, coarse_torch)
     accuracy_ok = all(e <= ACCURACY_LIMIT for e in (error, backends_error, tma_error, packed_error, packed_dense_error,
                                                      fa4_error, fa4_dense_error, coarse_error,
-                                                     fa4_sparse0_error) if e is not None)
+                                                     fa4_sparse0_error, gluon_error, gluon_call_error)
+                       if e is not None)
 
     report = {
         "device": torch.cuda.get_device_name(),
@@ -466,6 +508,8 @@ def main() -> int:
                      "packed_sparsity0_vs_dense_relative_error": packed_dense_error,
                      "coarse_kernels_vs_torch_relative_error": coarse_error,
                      "coarse_kernels_vs_torch_selection_rows_differing": selection_mismatch,
+                     "gluon_vs_triton_fine_stage_relative_error": gluon_error,
+                     "gluon_call_vs_triton_call_relative_error": gluon_call_error,
                      "fa4_vs_triton_relative_error": fa4_error, "fa4_dense_vs_sdpa_relative_error": fa4_dense_error,
                      "fa4_vsa_sparsity0_vs_dense_relative_error": fa4_sparse0_error,
                      "limit": ACCURACY_LIMIT, "ok": accuracy_ok},
@@ -489,6 +533,7 @@ def main() -> int:
         print(f"  profile: {row['cuda_ms']:8.3f} ms x{row['calls']:<3d} {row['kernel'][:90]}")
     print(f"packed vs padded (gate) {packed_error:.2e}, packed sparsity 0 vs dense {packed_dense_error:.2e}, coarse "
           f"kernels vs torch {coarse_error:.2e} (rows selecting other tiles: {selection_mismatch:.2e})")
+    print(f"Gluon fine stage vs Triton {gluon_error}, whole call with it vs Triton {gluon_call_error}")
     print(f"accuracy: sparsity 0 vs dense relative error {error:.2e}, triton vs flex at sparsity "
           f"{args.sparsity} {backends_error:.2e}, TMA vs plain Triton {tma_error:.2e}, FA4 vs Triton {fa4_error}, "
           f"dense FA4 vs SDPA {fa4_dense_error}, FA4 VSA sparsity 0 vs dense {fa4_sparse0_error} (limit {ACCURACY_LIMIT:g}): "

@@ -1,0 +1,252 @@
+"""Warp-specialised Hopper kernel of video sparse attention's (VSA) fine stage, in Triton's Gluon dialect.
+
+VSA is "VSA: Faster Video Diffusion with Trainable Sparse Attention" (P. Zhang et al., arXiv 2505.13389); the
+fine stage is FlashAttention's online softmax (T. Dao et al., arXiv 2205.14135) over the key tiles each query
+tile selected. :mod:`~diffusers_sp.kernels.vsa_triton` runs it as a Triton kernel whose pipelining the compiler
+chooses; here the schedule is written out, as FlashAttention-3 does on Hopper (J. Shah et al., arXiv
+2407.08608):
+
+* one producer warp walks the query tile's list of selected key tiles and loads each key and value block
+  into a ring of shared-memory stages with the tensor-memory accelerator (TMA), signalling an mbarrier per
+  block; the consumer frees a stage by arriving on its "empty" barrier;
+* one consumer warpgroup issues the scores product of the next key block (``wgmma``, asynchronous) before
+  it runs the softmax of the current block, so the exponentials overlap the tensor cores, then issues the
+  value product with the probabilities taken from registers.
+
+Same layout, arguments and result as :func:`~diffusers_sp.kernels.vsa_triton.fine_stage_triton_packed`
+(packed tiles of ``V = 64`` slots, read through 2-D row views), for benchmarks: it is not a backend yet.
+Needs Triton with Gluon (3.5+) and a GPU of compute capability 9.0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # no Triton, or one without Gluon
+    gluon = None
+
+from .vsa_triton import _LOG2_E, _output_like, _row_view, _unit_last_stride, tma_applies
+
+#: Slots of a tile (query rows of a program and key rows of a block) the kernel takes.
+TILE = 64
+#: Shared-memory stages of the key ring and of the value ring (each stage ``64 * D`` elements).
+DEFAULT_STAGES = 3
+#: Registers per thread reserved at launch: 128 on eight warps (the consumer warpgroup, and the producer warp
+#: padded to a warpgroup) fit two programs on a multiprocessor; the producer gives all but 24 of its back.
+DEFAULT_MAX_REGISTERS = 128
+
+
+def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int) -> bool:
+    """Whether :func:`fine_stage_gluon_packed` runs on these packed ``[B, H, S, D]`` tensors: Gluon importable,
+    compute capability 9.x (Hopper's ``wgmma``), bfloat16/float16, ``V = 64``, ``D`` in {64, 128}, no
+    gradient, and TMA row views (:func:`~diffusers_sp.kernels.vsa_triton.tma_applies`)."""
+    if gluon is None or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9 or tile_volume != TILE or q.shape[-1] not in (64, 128):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return False
+    return tma_applies(*(_unit_last_stride(t) for t in (q, k, v)))
+
+
+def fine_stage_gluon_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor, *,
+                            q_offsets: torch.Tensor, q_sizes: torch.Tensor, kv_offsets: torch.Tensor,
+                            kv_sizes: torch.Tensor, tile_volume: int, scale: float,
+                            gate: torch.Tensor | None = None, coarse: torch.Tensor | None = None,
+                            stages: int = DEFAULT_STAGES, max_registers: int | None = DEFAULT_MAX_REGISTERS,
+                            overlap_values: bool = False) -> torch.Tensor:
+    """VSA's fine stage on packed tiles with the warp-specialised Gluon kernel.
+
+    Args and result as :func:`~diffusers_sp.kernels.vsa_triton.fine_stage_triton_packed` (``q``, ``k``,
+    ``v``: ``[B, H, S, D]`` bfloat16/float16; ``selected``: ``[B, H, Nq, topk]`` key-tile indices; int32
+    offsets and sizes ``[N]``; ``gate`` ``[B, H, Sq, D]`` with ``coarse`` float32 ``[B, H, Nq, D]``), plus
+    ``stages``: key and value blocks in flight each (2 to 4), and ``max_registers``: registers per thread the
+    launch reserves (the consumer warpgroup gets them back from the producer's; None: 255, one program per
+    multiprocessor), ``overlap_values``: leave each value product in flight under the next block's softmax.
+
+    Raises:
+        ValueError: :func:`gluon_applies` is false, only one of ``gate`` and ``coarse`` is given, or
+            ``stages`` is outside [2, 4].
+    """
+    if not gluon_applies(q, k, v, tile_volume):
+        raise ValueError("the Gluon VSA kernel needs Triton with Gluon, a compute capability 9.x GPU, bfloat16/"
+                         f"float16, V=64 and D of 64 or 128 with TMA row views; got {q.dtype} on {q.device}, "
+                         f"V={tile_volume}, D={q.shape[-1]}")
+    if (gate is None) != (coarse is None):
+        raise ValueError("fine_stage_gluon_packed: give gate and coarse together, or neither")
+    if not 2 <= stages <= 4:  # block i + 1's keys load while block i's values are in use
+        raise ValueError(f"stages must be in [2, 4], got {stages}")
+    q, k, v, gate = (_unit_last_stride(t) for t in (q, k, v, gate))
+    B, H, _, D = q.shape
+    out = _output_like(q)
+    selected = selected.contiguous()
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([TILE, D], gl_dtype)
+    operands = []
+    for t in (q, k, v):
+        rows, cols, coeffs = _row_view(t)
+        table = t.as_strided((rows, cols), (t.stride(2), 1))
+        operands += [TensorDescriptor(table, [rows, cols], [t.stride(2), 1], [TILE, D], layout), *coeffs]
+    has_gate = gate is not None
+    gate_args = (gate, *gate.stride()[:3]) if has_gate else (out, 0, 0, 0)
+    coarse_args = (coarse, *coarse.stride()[:3]) if has_gate else (out, 0, 0, 0)
+    _vsa_fine_gluon_kernel[(q_offsets.shape[0], B * H)](
+        *operands, out, *out.stride()[:3], *gate_args, *coarse_args, selected, *selected.stride(),
+        q_offsets, q_sizes, kv_offsets, kv_sizes, H, selected.shape[-1], scale * _LOG2_E,
+        HEAD_DIM=D, BLOCK=TILE, STAGES=stages, HAS_GATE=has_gate, OVERLAP_VALUES=overlap_values, num_warps=4,
+        **({} if max_registers is None else {"maxnreg": max_registers}))
+    return out
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk, KOff,
+                        k_row0, k_col, v_row0, v_col, topk, STAGES: gl.constexpr):
+        # The producer warp: key block i into key stage i % STAGES once the consumer freed it, then value block
+        # i likewise (key stages free earlier: a key block is done with once its scores are).
+        for i in range(topk):
+            stage = i % STAGES
+            parity = (i // STAGES & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads go at once
+            start = gl.load(KOff + gl.load(sel_base + i * s_sk))
+            mbarrier.wait(k_empty.index(stage), parity)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row0 + start, k_col], k_ready.index(stage),
+                                            k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), parity)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [v_row0 + start, v_col], v_ready.index(stage),
+                                            v_smem.index(stage))
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, key_count, scale_log2, cols):
+        # Online softmax of one block of unscaled scores: masked key rows -inf, the scale inside exp2's argument.
+        s = gl.where(gl.expand_dims(cols < key_count, 0), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+        p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _compute_partition(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk,
+                           KSizes, topk, scale_log2, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
+        # The consumer warpgroup: the scores of block i + 1 on the tensor cores while the softmax of block i runs
+        # (FlashAttention-3's overlap within a warpgroup), then the value product of block i, waited for at once
+        # or (OVERLAP_VALUES) under the next block's softmax.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
+        m_i = gl.full([BLOCK], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, o_layout)
+
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        key_count = gl.load(KSizes + gl.load(sel_base))
+        if OVERLAP_VALUES:  # the accumulator is carried through the loop as an in-flight product's result
+            acc = warpgroup_mma_init(acc)
+        for i in range(topk - 1):
+            stage = i % STAGES
+            nxt = (i + 1) % STAGES
+            mbarrier.wait(k_ready.index(nxt), (i + 1) // STAGES & 1)
+            s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, key_count, scale_log2, cols)
+            if OVERLAP_VALUES:  # block i - 1's value product ran under this softmax: finish it (groups retire in order)
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                mbarrier.arrive(v_empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            mbarrier.wait(v_ready.index(stage), i // STAGES & 1)
+            acc = warpgroup_mma(p, v_smem.index(stage), acc, is_async=True)
+            if OVERLAP_VALUES:  # the scores of block i + 1 are done; block i's value product stays in flight
+                s = warpgroup_mma_wait(1, deps=(s_next,))
+            else:
+                s, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
+                mbarrier.arrive(v_empty.index(stage), count=1)
+            mbarrier.arrive(k_empty.index(nxt), count=1)
+            key_count = gl.load(KSizes + gl.load(sel_base + (i + 1) * s_sk))
+        last = (topk - 1) % STAGES
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, key_count, scale_log2, cols)
+        if OVERLAP_VALUES:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index((topk + STAGES - 2) % STAGES), count=1, pred=topk > 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        mbarrier.wait(v_ready.index(last), (topk - 1) // STAGES & 1)
+        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last), count=1)
+        return acc, gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+
+    @gluon.jit
+    def _vsa_fine_gluon_kernel(q_desc, q_rb, q_rh, q_cb, q_ch, k_desc, k_rb, k_rh, k_cb, k_ch,
+                               v_desc, v_rb, v_rh, v_cb, v_ch, Out, s_ob, s_oh, s_os,
+                               Gate, s_gb, s_gh, s_gs, Coarse, s_cb, s_ch, s_cn,
+                               Sel, s_sb, s_sh, s_sn, s_sk, QOff, QSizes, KOff, KSizes, num_heads, topk, scale_log2,
+                               HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                               HAS_GATE: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
+        # q/k/v_desc: TMA descriptors of 2-D row views; element [b, h, s, :] is row (b * rb + h * rh + s),
+        # columns from (b * cb + h * ch), as in vsa_triton's kernel.
+        q_tile = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // num_heads
+        h = bh % num_heads
+        q_start = gl.load(QOff + q_tile)
+        q_count = gl.load(QSizes + q_tile)
+        sel_base = Sel + b.to(gl.int64) * s_sb + h.to(gl.int64) * s_sh + q_tile.to(gl.int64) * s_sn
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b * q_rb + h * q_rh + q_start, b * q_cb + h * q_ch], q_bar, q_smem)
+
+        acc, l_i = gl.warp_specialize([
+            (_compute_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk,
+                                  KSizes, topk, scale_log2, BLOCK, HEAD_DIM, STAGES, OVERLAP_VALUES)),
+            (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk,
+                               KOff,
+                               b * k_rb + h * k_rh, b * k_cb + h * k_ch, b * v_rb + h * v_rh, b * v_cb + h * v_ch,
+                               topk, STAGES)),
+        ], [1], [24])
+
+        o_layout: gl.constexpr = acc.type.layout
+        out = (acc / gl.expand_dims(l_i, 1)).to(Out.dtype.element_ty)
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, o_layout))
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        tokens = gl.expand_dims((q_start + rows).to(gl.int64), 1)
+        row_ok = gl.expand_dims(rows < q_count, 1)
+        if HAS_GATE:  # the reference's addcmul(fine, coarse, gate), each operand in the output dtype
+            g = gl.load(Gate + b.to(gl.int64) * s_gb + h.to(gl.int64) * s_gh + tokens * s_gs
+                        + gl.expand_dims(dims, 0), mask=row_ok, other=0.0)
+            c = gl.load(Coarse + b.to(gl.int64) * s_cb + h.to(gl.int64) * s_ch + q_tile.to(gl.int64) * s_cn + dims)
+            c = c.to(Out.dtype.element_ty).to(gl.float32)
+            out = (out.to(gl.float32) + gl.expand_dims(c, 0) * g.to(gl.float32)).to(Out.dtype.element_ty)
+        gl.store(Out + b.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + tokens * s_os + gl.expand_dims(dims, 0), out,
+                 mask=row_ok)
