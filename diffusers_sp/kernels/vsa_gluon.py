@@ -14,8 +14,12 @@ chooses; here the schedule is written out, as FlashAttention-3 does on Hopper (J
   value product with the probabilities taken from registers.
 
 Same layout, arguments and result as :func:`~diffusers_sp.kernels.vsa_triton.fine_stage_triton_packed`
-(packed tiles of ``V = 64`` slots, read through 2-D row views), for benchmarks: it is not a backend yet.
-Needs Triton with Gluon (3.5+) and a GPU of compute capability 9.0.
+(packed tiles of ``V = 64`` slots, read through 2-D row views); its output equals the Triton kernel's bit for
+bit. At the Wan 1.3B shape on an H100 it takes as long (2.41 ms against 2.40, sparsity 0.9), as does the
+whole call with it; a stripped kernel that only streams the same key and value blocks by TMA over the same
+grid takes 2.07 ms, so at 64 query rows a tile the fine stage is bound by feeding the blocks from L2, not by
+where the softmax runs (benchmarks/RESULTS.md). Hence it is no backend: the benchmark times it against the Triton one.
+Needs Triton with Gluon (3.5+) and a GPU of compute capability 9.x.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from .vsa_triton import _LOG2_E, _output_like, _row_view, _unit_last_stride, tma
 
 #: Slots of a tile (query rows of a program and key rows of a block) the kernel takes.
 TILE = 64
-#: Shared-memory stages of the key ring and of the value ring (each stage ``64 * D`` elements).
+#: Shared-memory stages of the key ring and of the value ring (each stage ``64 * D`` elements): three ran
+#: 2.41 ms, two 2.45 (H100, D = 128, two programs a multiprocessor).
 DEFAULT_STAGES = 3
 #: Registers per thread reserved at launch: 128 on eight warps (the consumer warpgroup, and the producer warp
 #: padded to a warpgroup) fit two programs on a multiprocessor; the producer gives all but 24 of its back.
@@ -68,7 +73,8 @@ def fine_stage_gluon_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     offsets and sizes ``[N]``; ``gate`` ``[B, H, Sq, D]`` with ``coarse`` float32 ``[B, H, Nq, D]``), plus
     ``stages``: key and value blocks in flight each (2 to 4), and ``max_registers``: registers per thread the
     launch reserves (the consumer warpgroup gets them back from the producer's; None: 255, one program per
-    multiprocessor), ``overlap_values``: leave each value product in flight under the next block's softmax.
+    multiprocessor), ``overlap_values``: leave each value product in flight under the next block's softmax
+    (FlashAttention-3's full overlap; slower here: 2.54 ms at three stages).
 
     Raises:
         ValueError: :func:`gluon_applies` is false, only one of ``gate`` and ``coarse`` is given, or
