@@ -460,8 +460,8 @@ def main() -> int:
     backends_error = relative_error(vsa_tiled(qt, kt, vt, None, args.sparsity, "triton"),
                                     vsa_tiled(qt, kt, vt, None, args.sparsity, "flex"))
     # The packed path (gate included) against the padded one, and at sparsity 0 against dense.
-    packed_error = relative_error(vsa_packed(with_gate=True),
-                                  vsa_end_to_end(with_gate=True).index_select(2, order))
+    packed_gate_out = vsa_packed(with_gate=True)
+    packed_error = relative_error(packed_gate_out, vsa_end_to_end(with_gate=True).index_select(2, order))
     packed_dense_error = relative_error(vsa_packed(with_gate=False, sparsity=0.0), dense_out.index_select(2, order))
     # The TMA variant against the default kernel on the same selection.
     tma_error = relative_error(triton_fine_stage_only(), triton_fine_stage_only({"tma": False}))
@@ -469,7 +469,7 @@ def main() -> int:
     if has_gluon:  # the Gluon fine stage against Triton's on the same selection, and the whole call with it
         gluon_error = relative_error(gluon_fine_stage_only(), triton_packed_fine_stage_only())
         gluon_call_error = relative_error(_with_gluon_fine_stage(lambda: vsa_packed(with_gate=True)),
-                                          vsa_packed(with_gate=True))
+                                          packed_gate_out)
     fa4_error = fa4_dense_error = fa4_sparse0_error = None
     if has_fa4:
         # The FA4 fine stage against Triton on the same selection, dense FA4 against SDPA, and FA4 VSA at

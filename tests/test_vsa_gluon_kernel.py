@@ -50,6 +50,8 @@ def test_gluon_fine_stage_matches_triton_and_reference_cuda(layout_kind, head_di
     q, k, v, gate = (held(torch.randn(B, H, S, head_dim, generator=gen)) for _ in range(4))
     sizes = layout.block_sizes.to("cuda", torch.int32)
     offsets = packed_offsets(sizes)
+    slots = vsa.packed_slots(sizes, 64, S)
+    valid = vsa._slot_mask(sizes, 64)[None, None, :, :, None]
     coarse = torch.randn(B, H, n, head_dim, generator=gen).cuda()
     scale = head_dim ** -0.5
     assert vsa_gluon.gluon_applies(q, k, v, 64)
@@ -65,8 +67,7 @@ def test_gluon_fine_stage_matches_triton_and_reference_cuda(layout_kind, head_di
             assert fast.dtype == torch.bfloat16 and fast.shape == q.shape and fast.stride() == triton_out.stride()
             torch.testing.assert_close(fast.float(), triton_out.float(), rtol=1e-2, atol=1e-2)
             if g is None:  # the reference's fine stage on padded tiles, compared on the valid rows
-                padded = [vsa.pad_tiles(x.float(), vsa.packed_slots(sizes, 64, S), n, 64) for x in (q, k, v)]
+                padded = [vsa.pad_tiles(x.float(), slots, n, 64) for x in (q, k, v)]
                 reference = vsa._fine_stage_reference(*padded, selected.long(), sizes, scale)
-                got = vsa.pad_tiles(fast.float(), vsa.packed_slots(sizes, 64, S), n, 64)
-                valid = vsa._slot_mask(sizes, 64)[None, None, :, :, None]
+                got = vsa.pad_tiles(fast.float(), slots, n, 64)
                 torch.testing.assert_close(got * valid, reference * valid, rtol=2e-2, atol=2e-2)

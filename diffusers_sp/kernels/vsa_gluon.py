@@ -80,6 +80,7 @@ def fine_stage_gluon_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         ValueError: :func:`gluon_applies` is false, only one of ``gate`` and ``coarse`` is given, or
             ``stages`` is outside [2, 4].
     """
+    q, k, v, gate = (_unit_last_stride(t) for t in (q, k, v, gate))  # once: gluon_applies reads these as they are
     if not gluon_applies(q, k, v, tile_volume):
         raise ValueError("the Gluon VSA kernel needs Triton with Gluon, a compute capability 9.x GPU, bfloat16/"
                          f"float16, V=64 and D of 64 or 128 with TMA row views; got {q.dtype} on {q.device}, "
@@ -88,7 +89,6 @@ def fine_stage_gluon_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         raise ValueError("fine_stage_gluon_packed: give gate and coarse together, or neither")
     if not 2 <= stages <= 4:  # block i + 1's keys load while block i's values are in use
         raise ValueError(f"stages must be in [2, 4], got {stages}")
-    q, k, v, gate = (_unit_last_stride(t) for t in (q, k, v, gate))
     B, H, _, D = q.shape
     out = _output_like(q)
     selected = selected.contiguous()
