@@ -285,10 +285,10 @@ def main() -> int:
     order = tile_range_tokens(layout, 0, layout.num_tiles)
     packed = [x.index_select(2, order).transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, gate)]
 
-    def vsa_packed(with_gate, sparsity=args.sparsity):
+    def vsa_packed(with_gate, sparsity=args.sparsity, backend="auto"):
         return video_sparse_attention_packed(*packed[:3], tile_volume=layout.tile_volume, q_block_sizes=block_sizes,
                                              kv_block_sizes=block_sizes, sparsity=sparsity,
-                                             gate=packed[3] if with_gate else None)
+                                             gate=packed[3] if with_gate else None, backend=backend)
 
     def vsa_end_to_end(with_gate, backend="triton"):
         tiled = [tile_tokens(x, layout, dim=2) for x in (q, k, v)]
@@ -380,14 +380,18 @@ def main() -> int:
     has_gluon = not args.no_gluon and vsa_gluon.gluon_applies(*packed[:3], layout.tile_volume)
     if has_gluon:  # the warp-specialised Gluon fine stage against Triton's on the packed tensors of the call
         cases["fine_stage_only_triton_packed"] = triton_packed_fine_stage_only
-        for stages, regs, overlap in ((2, 128, False), (3, 128, False), (3, None, False), (4, None, False),
-                                      (2, 128, True), (3, 128, True), (4, None, True)):
-            cases[f"fine_stage_only_gluon_s{stages}_r{regs or 255}{'_overlap' if overlap else ''}"] = (
+        variants = (((2, 128, False), (3, 128, False), (3, 255, False), (4, 255, False), (2, 128, True),
+                     (3, 128, True), (4, 255, True)) if layout.tile_volume == 64 else  # one consumer warpgroup
+                    ((2, 168, False), (3, 168, False), (4, 168, False), (5, 168, False), (3, 168, True),
+                     (4, 168, True)))  # two consumer warpgroups on 128 query rows, one program a multiprocessor
+        for stages, regs, overlap in variants:
+            cases[f"fine_stage_only_gluon_s{stages}_r{regs}{'_overlap' if overlap else ''}"] = (
                 lambda st=stages, r=regs, o=overlap: gluon_fine_stage_only(stages=st, max_registers=r,
                                                                            overlap_values=o))
-        cases["vsa_random_gate_packed_gluon"] = lambda: _with_gluon_fine_stage(lambda: vsa_packed(with_gate=True))
+        cases["vsa_random_gate_packed_triton"] = lambda: vsa_packed(with_gate=True, backend="triton")
+        cases["vsa_random_gate_packed_gluon"] = lambda: vsa_packed(with_gate=True, backend="gluon")
         cases["vsa_random_gate_packed_gluon_overlap"] = lambda: _with_gluon_fine_stage(
-            lambda: vsa_packed(with_gate=True), overlap_values=True)
+            lambda: vsa_packed(with_gate=True, backend="triton"), overlap_values=True)
     if args.sweep:
         for stages in (2, 3, 4, 5, 6):
             cfg = {"tma": True, "num_stages": stages}
@@ -460,7 +464,7 @@ def main() -> int:
     backends_error = relative_error(vsa_tiled(qt, kt, vt, None, args.sparsity, "triton"),
                                     vsa_tiled(qt, kt, vt, None, args.sparsity, "flex"))
     # The packed path (gate included) against the padded one, and at sparsity 0 against dense.
-    packed_gate_out = vsa_packed(with_gate=True)
+    packed_gate_out = vsa_packed(with_gate=True, backend="triton")
     packed_error = relative_error(packed_gate_out, vsa_end_to_end(with_gate=True).index_select(2, order))
     packed_dense_error = relative_error(vsa_packed(with_gate=False, sparsity=0.0), dense_out.index_select(2, order))
     # The TMA variant against the default kernel on the same selection.
@@ -468,8 +472,7 @@ def main() -> int:
     gluon_error = gluon_call_error = None
     if has_gluon:  # the Gluon fine stage against Triton's on the same selection, and the whole call with it
         gluon_error = relative_error(gluon_fine_stage_only(), triton_packed_fine_stage_only())
-        gluon_call_error = relative_error(_with_gluon_fine_stage(lambda: vsa_packed(with_gate=True)),
-                                          packed_gate_out)
+        gluon_call_error = relative_error(vsa_packed(with_gate=True, backend="gluon"), packed_gate_out)
     fa4_error = fa4_dense_error = fa4_sparse0_error = None
     if has_fa4:
         # The FA4 fine stage against Triton on the same selection, dense FA4 against SDPA, and FA4 VSA at

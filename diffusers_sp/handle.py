@@ -169,7 +169,7 @@ class SequenceParallelHandle:
 
     def vsa_backend(self) -> str | None:
         """``mode="vsa"``: the VSA backend that runs video self-attention of the (first) transformer as it is
-        now (its device, dtype, head dim and :attr:`vsa_tile`): ``"triton"``, ``"flex"``, ``"fa4"`` or
+        now (its device, dtype, head dim and :attr:`vsa_tile`): ``"gluon"``, ``"triton"``, ``"flex"``, ``"fa4"`` or
         ``"reference"``, as :func:`~diffusers_sp.kernels.vsa.backend_on` resolves ``backend="auto"``. None in
         the dense modes."""
         if self.vsa_tile is None:

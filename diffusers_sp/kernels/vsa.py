@@ -44,20 +44,23 @@ from .fa4 import fa4_block_sparse_applies, fa4_block_sparse_fine_stage
 from .tiles import (TileLayout, _check_sparsity, block_lists, make_tile_layout, packed_offsets, packed_slots,
                     pad_tiles, tile_range_tokens, tile_tokens, unpad_tiles, untile_tokens, vsa_topk)
 from .vsa_coarse_triton import coarse_stage_triton
+from .vsa_gluon import fine_stage_gluon_packed, gluon_applies, gluon_preferred, gluon_requirements
 from .vsa_triton import fine_stage_triton_packed, padded_tiles, triton_applies, triton_requirements
 
 __all__ = ["BACKENDS", "AUTO_ORDER", "TileLayout", "block_lists", "make_tile_layout", "tile_range_tokens",
            "tile_tokens", "untile_tokens", "vsa_topk", "video_sparse_attention", "video_sparse_attention_packed",
            "auto_backend", "backend_on"]
 
-BACKENDS = ("auto", "reference", "flex", "triton", "fa4")
+BACKENDS = ("auto", "reference", "flex", "triton", "gluon", "fa4")
 # The order in which backend="auto" tries the fine-stage kernels (the first that applies runs), fastest
 # first as measured at the Wan2.1-1.3B shape on an H200 (sparsity 0.9, bf16; benchmarks/RESULTS.md):
 # Triton 2.53-2.54 ms, flex 3.07-3.16 ms, FA4 block-sparse 3.61-3.69 ms (3.32 ms even with every block
 # passed as full, so at 64 x 64 blocks FA4's block-sparse forward is the slower kernel here); on an H100
-# at 64-, 128- and 256-slot tiles Triton was fastest too. The packed API runs Triton where it applies and
-# this order otherwise.
-AUTO_ORDER = ("triton", "flex", "fa4", "reference")
+# at 64-, 128- and 256-slot tiles Triton was fastest too, until the warp-specialised Gluon fine stage with two
+# consumer warpgroups (Hopper, 128 and 256 slots: "gluon" applies in this order only where
+# vsa_gluon.gluon_preferred says so; the coarse stage is the Triton backend's). The packed API follows the same
+# order.
+AUTO_ORDER = ("gluon", "triton", "flex", "fa4", "reference")
 _FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Upper bound on the elements (scores plus gathered keys and values) that one chunk of query tiles
@@ -91,10 +94,13 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             bf16/fp16, ``V`` a multiple of 64, see :func:`~diffusers_sp.kernels.fa4.fa4_block_sparse_fine_stage`),
             ``"triton"`` (the
             block-sparse Triton kernel of :mod:`diffusers_sp.kernels.vsa_triton`; CUDA, bf16/fp16,
-            forward only, see :func:`~diffusers_sp.kernels.vsa_triton.triton_applies`), ``"flex"``
+            forward only, see :func:`~diffusers_sp.kernels.vsa_triton.triton_applies`), ``"gluon"`` (the
+            Triton backend with the warp-specialised fine stage of :mod:`diffusers_sp.kernels.vsa_gluon`;
+            Hopper, see :func:`~diffusers_sp.kernels.vsa_gluon.gluon_applies`), ``"flex"``
             (``flex_attention`` with a block-sparse ``BlockMask``, compiled; CUDA only, ``V`` a
-            multiple of 16, ``D >= 16``, forward only) or ``"auto"`` (the first of ``"triton"``,
-            ``"flex"``, ``"reference"`` that applies, in the order of :data:`AUTO_ORDER`).
+            multiple of 16, ``D >= 16``, forward only) or ``"auto"`` (the first that applies in the order
+            of :data:`AUTO_ORDER`; ``"gluon"`` only where
+            :func:`~diffusers_sp.kernels.vsa_gluon.gluon_preferred`).
 
     Returns:
         ``[B, H, Nq, V, D]`` in q's dtype; padded query slots are zero.
@@ -102,7 +108,8 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Raises:
         ValueError: tensors not 5-D or with mismatched batch / heads / V / D / dtype / device,
             block sizes of the wrong length or dtype, ``sparsity`` outside ``[0, 1)``, a gate of
-            the wrong shape, an unknown backend, or ``"fa4"``, ``"flex"`` or ``"triton"`` where it cannot run.
+            the wrong shape, an unknown backend, or ``"fa4"``, ``"flex"``, ``"triton"`` or ``"gluon"`` where it
+            cannot run.
 
     The tile means sum every slot (in float32) and divide by the block size, so padded slots must be
     zero, as :func:`tile_tokens` leaves them; the fine stage masks padded key slots itself. The
@@ -119,14 +126,14 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if backend == "auto":
         backend = auto_backend(q, k, v)
     q_valid = _slot_mask(q_block_sizes, tile_volume)  # [Nq, V]
-    if backend == "triton":  # the padded tiles read as packed ones (offsets i * V), every query row stored
+    if backend in ("triton", "gluon"):  # the padded tiles read as packed ones (offsets i * V), every row stored
         num_q_tiles = q.shape[2]
         q_offsets, every_row = padded_tiles(num_q_tiles, tile_volume, q.device)
         kv_offsets, _ = padded_tiles(num_kv_tiles, tile_volume, q.device)
         out = _triton_vsa(q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), q_tiles=(q_offsets, q_block_sizes),
                           kv_tiles=(kv_offsets, kv_block_sizes), q_rows=every_row, tile_volume=tile_volume,
                           sparsity=sparsity, gate=None if gate is None else gate.flatten(2, 3),
-                          scale=scale)
+                          scale=scale, fine_kernel=backend)
         return out.unflatten(2, (num_q_tiles, tile_volume)).masked_fill(~q_valid.unsqueeze(-1), 0)
 
     # Coarse stage: tile means and tile-level scores, in float32.
@@ -175,7 +182,8 @@ def video_sparse_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             ``Sq``; kv_block_sizes: ``[Nk]``, summing to ``Sk``. Checked where they are on the CPU (outside
             ``torch.compile``); on the GPU they are trusted (a check would wait for the device).
         sparsity, scale, backend: as for :func:`video_sparse_attention` (``"auto"``: the Triton kernels where
-            :func:`~diffusers_sp.kernels.vsa_triton.triton_applies`, else ``video_sparse_attention``'s choice).
+            :func:`~diffusers_sp.kernels.vsa_triton.triton_applies`, with the Gluon fine stage where
+            :func:`~diffusers_sp.kernels.vsa_gluon.gluon_preferred`, else ``video_sparse_attention``'s choice).
         gate: None or ``[B, H, Sq, D]``, the per-token weight of the coarse output.
 
     Returns:
@@ -189,12 +197,13 @@ def video_sparse_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     _validate_packed(q, k, v, tile_volume, q_block_sizes, kv_block_sizes, gate, backend)
     _check_sparsity(sparsity)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if backend in ("auto", "triton") and triton_applies(q, k, v, tile_volume):
+    if backend in ("auto", "triton", "gluon") and triton_applies(q, k, v, tile_volume):
+        gluon = backend == "gluon" or (backend == "auto" and gluon_preferred(q, k, v, tile_volume))
         q_sizes = q_block_sizes.to(device=q.device, dtype=torch.int32)
         kv_sizes = kv_block_sizes.to(device=q.device, dtype=torch.int32)
         return _triton_vsa(q, k, v, q_tiles=(packed_offsets(q_sizes), q_sizes),
                            kv_tiles=(packed_offsets(kv_sizes), kv_sizes), q_rows=q_sizes, tile_volume=tile_volume,
-                           sparsity=sparsity, gate=gate, scale=scale)
+                           sparsity=sparsity, gate=gate, scale=scale, fine_kernel="gluon" if gluon else "triton")
     if backend == "triton":
         raise ValueError(f"backend='triton': {triton_requirements(q, k, v, tile_volume)}. Use backend='reference', "
                          "'flex' or 'auto'.")
@@ -209,26 +218,30 @@ def video_sparse_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return unpad_tiles(out, q_slots)
 
 
-def _triton_vsa(q, k, v, *, q_tiles, kv_tiles, q_rows, tile_volume, sparsity, gate, scale):
+def _triton_vsa(q, k, v, *, q_tiles, kv_tiles, q_rows, tile_volume, sparsity, gate, scale, fine_kernel="triton"):
     """VSA with the Triton kernels on packed ``[B, H, S, D]`` tiles: the coarse stage (tile means, scores, top-k
-    and the coarse output: :mod:`.vsa_coarse_triton`), then the fine stage with the gated coarse output in its
-    epilogue. ``q_tiles`` and ``kv_tiles``: ``(offsets, sizes)``; ``q_rows``: the query rows of each tile to
-    compute and store."""
+    and the coarse output: :mod:`.vsa_coarse_triton`), then the fine stage (``fine_kernel``: ``"triton"``,
+    :mod:`.vsa_triton`, or ``"gluon"``, :mod:`.vsa_gluon`) with the gated coarse output in its epilogue.
+    ``q_tiles`` and ``kv_tiles``: ``(offsets, sizes)``; ``q_rows``: the query rows of each tile to compute and
+    store."""
     (q_offsets, q_sizes), (kv_offsets, kv_sizes) = [tuple(t.to(torch.int32) for t in pair)
                                                     for pair in (q_tiles, kv_tiles)]
     selected, coarse = coarse_stage_triton(
         q, k, v, q_offsets=q_offsets, q_sizes=q_sizes, kv_offsets=kv_offsets, kv_sizes=kv_sizes,
         tile_volume=tile_volume, topk=vsa_topk(kv_offsets.shape[0], sparsity), scale=scale,
         with_output=gate is not None)
-    return fine_stage_triton_packed(q, k, v, selected, q_offsets=q_offsets, q_sizes=q_rows.to(torch.int32),
-                                    kv_offsets=kv_offsets, kv_sizes=kv_sizes, tile_volume=tile_volume,
-                                    scale=scale, gate=None if gate is None else gate.to(q.dtype), coarse=coarse)
+    fine_stage = fine_stage_gluon_packed if fine_kernel == "gluon" else fine_stage_triton_packed
+    return fine_stage(q, k, v, selected, q_offsets=q_offsets, q_sizes=q_rows.to(torch.int32), kv_offsets=kv_offsets,
+                      kv_sizes=kv_sizes, tile_volume=tile_volume, scale=scale,
+                      gate=None if gate is None else gate.to(q.dtype), coarse=coarse)
 
 
 def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """The fine-stage backend ``backend="auto"`` runs for tiled ``[B, H, N, V, D]`` tensors: the first of
     :data:`AUTO_ORDER` that applies (``"reference"`` always does)."""
+    flat = [t.flatten(2, 3) for t in (q, k, v)]  # padded tiles read as packed ones
     applies = {"fa4": lambda: fa4_block_sparse_applies(q, k, v) is None,
+               "gluon": lambda: triton_applies(q, k, v) and gluon_preferred(*flat, q.shape[3]),
                "triton": lambda: triton_applies(q, k, v),
                "flex": lambda: _flex_applies(q, k, v),
                "reference": lambda: True}
@@ -405,6 +418,7 @@ def _validate_packed(q, k, v, tile_volume, q_block_sizes, kv_block_sizes, gate, 
                              f"sequence, got sum {int(sizes.sum())}")
     if gate is not None and gate.shape != q.shape:
         raise ValueError(f"gate must have q's shape {tuple(q.shape)}, got {tuple(gate.shape)}")
+    _check_gluon(backend, q, k, v, int(tile_volume))
 
 
 def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -> None:
@@ -444,3 +458,15 @@ def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -
     if backend == "triton" and not triton_applies(q, k, v):
         raise ValueError(f"backend='triton': {triton_requirements(q, k, v)}. Use backend='reference', 'flex' "
                          "or 'auto'.")
+    _check_gluon(backend, q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), q.shape[3])
+
+
+def _check_gluon(backend, q, k, v, tile_volume) -> None:
+    """``backend="gluon"`` where the Gluon fine stage or the Triton coarse stage cannot run: a ValueError."""
+    if backend != "gluon":
+        return
+    if not triton_applies(q, k, v, tile_volume):
+        raise ValueError(f"backend='gluon': {triton_requirements(q, k, v, tile_volume)}. Use backend='reference', "
+                         "'flex' or 'auto'.")
+    if not gluon_applies(q, k, v, tile_volume):
+        raise ValueError(f"backend='gluon': {gluon_requirements(q, tile_volume)}. Use backend='triton' or 'auto'.")

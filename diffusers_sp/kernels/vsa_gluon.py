@@ -6,23 +6,28 @@ tile selected. :mod:`~diffusers_sp.kernels.vsa_triton` runs it as a Triton kerne
 chooses; here the schedule is written out, as FlashAttention-3 does on Hopper (J. Shah et al., arXiv
 2407.08608):
 
-* one producer warp walks the query tile's list of selected key tiles and loads each key and value block
-  into a ring of shared-memory stages with the tensor-memory accelerator (TMA), signalling an mbarrier per
-  block; the consumer frees a stage by arriving on its "empty" barrier;
-* one consumer warpgroup issues the scores product of the next key block (``wgmma``, asynchronous) before
-  it runs the softmax of the current block, so the exponentials overlap the tensor cores, then issues the
-  value product with the probabilities taken from registers.
+* one producer warp walks the query tile's list of selected key tiles, in key blocks of 64 rows, and loads
+  each key and value block into a ring of shared-memory stages with the tensor-memory accelerator (TMA),
+  signalling an mbarrier per block; each consumer frees a stage by arriving on its "empty" barrier;
+* a consumer warpgroup per 64 query rows issues the scores product of the next key block (``wgmma``,
+  asynchronous) before it runs the softmax of the current block, so the exponentials overlap the tensor cores,
+  then issues the value product with the probabilities taken from registers, and stores its rows with the
+  gated coarse output added.
 
-Same layout, arguments and result as :func:`~diffusers_sp.kernels.vsa_triton.fine_stage_triton_packed`
-(packed tiles of ``V = 64`` slots, read through 2-D row views); its output equals the Triton kernel's bit for
-bit. At the Wan 1.3B shape on an H100 it takes as long (2.41 ms against 2.40, sparsity 0.9), as does the
-whole call with it; a stripped kernel that only streams the same key and value blocks by TMA over the same
-grid takes 2.07 ms, so at 64 query rows a tile the fine stage is bound by feeding the blocks from L2, not by
-where the softmax runs (benchmarks/RESULTS.md). Hence it is no backend: the benchmark times it against the Triton one.
+Tiles of 64 slots take one consumer (64 query rows a program, two programs a multiprocessor); tiles of 128 and
+256 slots take two, FlashAttention-3's 128-row program, so that every key and value block loaded from L2 serves
+128 query rows. Same layout, arguments and result as
+:func:`~diffusers_sp.kernels.vsa_triton.fine_stage_triton_packed` (packed tiles, read through 2-D row views);
+at 64 slots its output equals the Triton kernel's bit for bit. At the Wan 1.3B shape and 64 slots on an H100
+it takes as long as Triton's (2.41 ms against 2.40, sparsity 0.9): a stripped kernel that only streams the
+same key and value blocks by TMA over the same grid takes 2.07 ms, so at 64 query rows a program the fine
+stage is bound by feeding the blocks from L2 (benchmarks/RESULTS.md).
 Needs Triton with Gluon (3.5+) and a GPU of compute capability 9.x.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -35,92 +40,156 @@ try:
 except ImportError:  # no Triton, or one without Gluon
     gluon = None
 
+from .fa4 import device_capability  # a constant under torch.compile
 from .vsa_triton import _LOG2_E, _output_like, _row_view, _unit_last_stride, tma_applies
+from .vsa_triton import _launch as _launch_triton
 
-#: Slots of a tile (query rows of a program and key rows of a block) the kernel takes.
-TILE = 64
-#: Shared-memory stages of the key ring and of the value ring (each stage ``64 * D`` elements): three ran
-#: 2.41 ms, two 2.45 (H100, D = 128, two programs a multiprocessor).
-DEFAULT_STAGES = 3
-#: Registers per thread reserved at launch: 128 on eight warps (the consumer warpgroup, and the producer warp
-#: padded to a warpgroup) fit two programs on a multiprocessor; the producer gives all but 24 of its back.
-DEFAULT_MAX_REGISTERS = 128
+#: Key rows of a block (the ring's stage) and query rows of one consumer warpgroup (``wgmma``'s 64-row tile).
+BLOCK = 64
+#: Tile volumes ``V`` the kernel takes. Tiles of 128 and 256 slots are walked in key blocks of 64; their programs
+#: take 128 query rows on two consumer warpgroups, which share every key and value block the producer loads.
+TILE_VOLUMES = (64, 128, 256)
+#: Tile volumes at which ``backend="auto"`` runs this kernel rather than the Triton one (benchmarks/RESULTS.md).
+PREFERRED_TILE_VOLUMES = (128, 256)
+#: Shared-memory stages of the key ring and of the value ring (each stage ``64 * D`` elements) by consumer
+#: count: one consumer, three stages ran 2.41 ms, two 2.45 (H100, D = 128, two programs a multiprocessor).
+DEFAULT_STAGES = {1: 3, 2: 4}
+#: Registers per thread reserved at launch by consumer count. One consumer: 128 on eight warps (the consumer
+#: warpgroup, and the producer warp padded to a warpgroup) fit two programs on a multiprocessor. Two: twelve
+#: warps at 168 fill a multiprocessor's 65536 registers. The producer gives all but 24 of its back.
+DEFAULT_MAX_REGISTERS = {1: 128, 2: 168}
 
 
 def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int) -> bool:
     """Whether :func:`fine_stage_gluon_packed` runs on these packed ``[B, H, S, D]`` tensors: Gluon importable,
-    compute capability 9.x (Hopper's ``wgmma``), bfloat16/float16, ``V = 64``, ``D`` in {64, 128}, no
-    gradient, and TMA row views (:func:`~diffusers_sp.kernels.vsa_triton.tma_applies`)."""
+    compute capability 9.x (Hopper's ``wgmma``), bfloat16/float16, ``V`` in :data:`TILE_VOLUMES`, ``D`` in
+    {64, 128}, no gradient, and TMA row views (:func:`~diffusers_sp.kernels.vsa_triton.tma_applies`)."""
     if gluon is None or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9 or tile_volume != TILE or q.shape[-1] not in (64, 128):
+    if device_capability(q.device)[0] != 9 or tile_volume not in TILE_VOLUMES or q.shape[-1] not in (64, 128):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return False
-    return tma_applies(*(_unit_last_stride(t) for t in (q, k, v)))
+    # Traced tensors have no addresses: the compiled operator checks them when it runs (see _launch).
+    return torch.compiler.is_compiling() or tma_applies(*(_unit_last_stride(t) for t in (q, k, v)))
+
+
+def gluon_requirements(q: torch.Tensor, tile_volume: int) -> str:
+    """The message of the error raised where :func:`gluon_applies` is false: what the kernel needs and what
+    these tensors are."""
+    return ("the Gluon VSA kernel needs Triton with Gluon, a compute capability 9.x GPU, bfloat16/float16 "
+            f"tensors without gradient, V of {'/'.join(map(str, TILE_VOLUMES))} and D of 64 or 128 with TMA row "
+            f"views; got Gluon {'importable' if gluon is not None else 'not importable'}, {q.dtype} on "
+            f"{q.device}, V={tile_volume}, D={q.shape[-1]}")
+
+
+def gluon_preferred(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int) -> bool:
+    """Whether ``backend="auto"`` runs the fine stage with this kernel rather than the Triton one: where it
+    applies at the tile volumes of :data:`PREFERRED_TILE_VOLUMES` (measured faster there)."""
+    return tile_volume in PREFERRED_TILE_VOLUMES and gluon_applies(q, k, v, tile_volume)
 
 
 def fine_stage_gluon_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor, *,
                             q_offsets: torch.Tensor, q_sizes: torch.Tensor, kv_offsets: torch.Tensor,
                             kv_sizes: torch.Tensor, tile_volume: int, scale: float,
                             gate: torch.Tensor | None = None, coarse: torch.Tensor | None = None,
-                            stages: int = DEFAULT_STAGES, max_registers: int | None = DEFAULT_MAX_REGISTERS,
+                            stages: int | None = None, max_registers: int | None = None,
                             overlap_values: bool = False) -> torch.Tensor:
     """VSA's fine stage on packed tiles with the warp-specialised Gluon kernel.
 
     Args and result as :func:`~diffusers_sp.kernels.vsa_triton.fine_stage_triton_packed` (``q``, ``k``,
     ``v``: ``[B, H, S, D]`` bfloat16/float16; ``selected``: ``[B, H, Nq, topk]`` key-tile indices; int32
     offsets and sizes ``[N]``; ``gate`` ``[B, H, Sq, D]`` with ``coarse`` float32 ``[B, H, Nq, D]``), plus
-    ``stages``: key and value blocks in flight each (2 to 4), and ``max_registers``: registers per thread the
-    launch reserves (the consumer warpgroup gets them back from the producer's; None: 255, one program per
-    multiprocessor), ``overlap_values``: leave each value product in flight under the next block's softmax
-    (FlashAttention-3's full overlap; slower here: 2.54 ms at three stages).
+    ``stages``: key and value blocks in flight each (2 to 4 at ``V = 64``, 2 to 5 at 128 and 256; None:
+    :data:`DEFAULT_STAGES`), ``max_registers``: registers per thread the launch reserves (None:
+    :data:`DEFAULT_MAX_REGISTERS`; at most 255 with one consumer, 168 with two), ``overlap_values``: leave
+    each value product in flight under the next block's softmax (FlashAttention-3's full overlap; slower at 64
+    slots: 2.54 ms at three stages).
 
     Raises:
         ValueError: :func:`gluon_applies` is false, only one of ``gate`` and ``coarse`` is given, or
-            ``stages`` is outside [2, 4].
+            ``stages`` or ``max_registers`` is out of range.
     """
     q, k, v, gate = (_unit_last_stride(t) for t in (q, k, v, gate))  # once: gluon_applies reads these as they are
     if not gluon_applies(q, k, v, tile_volume):
-        raise ValueError("the Gluon VSA kernel needs Triton with Gluon, a compute capability 9.x GPU, bfloat16/"
-                         f"float16, V=64 and D of 64 or 128 with TMA row views; got {q.dtype} on {q.device}, "
-                         f"V={tile_volume}, D={q.shape[-1]}")
+        raise ValueError(gluon_requirements(q, tile_volume))
     if (gate is None) != (coarse is None):
         raise ValueError("fine_stage_gluon_packed: give gate and coarse together, or neither")
-    if not 2 <= stages <= 4:  # block i + 1's keys load while block i's values are in use
-        raise ValueError(f"stages must be in [2, 4], got {stages}")
+    consumers = 1 if tile_volume == BLOCK else 2
+    stages = DEFAULT_STAGES[consumers] if stages is None else stages
+    max_registers = DEFAULT_MAX_REGISTERS[consumers] if max_registers is None else max_registers
+    if not 2 <= stages <= 3 + consumers:  # shared memory: 64 query rows and 2 * stages blocks a consumer count
+        raise ValueError(f"stages must be in [2, {3 + consumers}] at V={tile_volume}, got {stages}")
+    if not 24 <= max_registers <= (255 if consumers == 1 else 168):  # twelve warps share 65536 registers
+        raise ValueError(f"max_registers must be in [24, {255 if consumers == 1 else 168}] at V={tile_volume}, "
+                         f"got {max_registers}")
+    if torch.compiler.is_compiling():  # the host-side descriptors do not trace: one opaque operator
+        return torch.ops.diffusers_sp.vsa_fine_stage_gluon(q, k, v, selected, q_offsets, q_sizes, kv_offsets,
+                                                           kv_sizes, tile_volume, scale, gate, coarse, stages,
+                                                           max_registers, overlap_values)
+    return _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse,
+                   stages, max_registers, overlap_values)
+
+
+def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse, stages,
+            max_registers, overlap_values):
+    """Launches the kernel (see :func:`fine_stage_gluon_packed`; arguments checked there). Tensors whose
+    addresses TMA cannot read (known only here under ``torch.compile``) run the Triton kernel instead."""
+    if not tma_applies(q, k, v):
+        return _launch_triton(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate,
+                              coarse, None)
+    consumers = 1 if tile_volume == BLOCK else 2
     B, H, _, D = q.shape
     out = _output_like(q)
     selected = selected.contiguous()
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([TILE, D], gl_dtype)
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl_dtype)
     operands = []
     for t in (q, k, v):
         rows, cols, coeffs = _row_view(t)
         table = t.as_strided((rows, cols), (t.stride(2), 1))
-        operands += [TensorDescriptor(table, [rows, cols], [t.stride(2), 1], [TILE, D], layout), *coeffs]
+        operands += [TensorDescriptor(table, [rows, cols], [t.stride(2), 1], [BLOCK, D], layout), *coeffs]
     has_gate = gate is not None
     gate_args = (gate, *gate.stride()[:3]) if has_gate else (out, 0, 0, 0)
     coarse_args = (coarse, *coarse.stride()[:3]) if has_gate else (out, 0, 0, 0)
-    _vsa_fine_gluon_kernel[(q_offsets.shape[0], B * H)](
+    grid = (q_offsets.shape[0] * (tile_volume // (BLOCK * consumers)), B * H)
+    _vsa_fine_gluon_kernel[grid](
         *operands, out, *out.stride()[:3], *gate_args, *coarse_args, selected, *selected.stride(),
         q_offsets, q_sizes, kv_offsets, kv_sizes, H, selected.shape[-1], scale * _LOG2_E,
-        HEAD_DIM=D, BLOCK=TILE, STAGES=stages, HAS_GATE=has_gate, OVERLAP_VALUES=overlap_values, num_warps=4,
-        **({} if max_registers is None else {"maxnreg": max_registers}))
+        HEAD_DIM=D, BLOCK=BLOCK, TILE_VOLUME=tile_volume, CONSUMERS=consumers, STAGES=stages,
+        CONSUMER_REGISTERS=max_registers // 8 * 8, HAS_GATE=has_gate, OVERLAP_VALUES=overlap_values, num_warps=4,
+        maxnreg=max_registers)
     return out
+
+
+@torch.library.custom_op("diffusers_sp::vsa_fine_stage_gluon", mutates_args=())
+def _fine_stage_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor,
+                   q_offsets: torch.Tensor, q_sizes: torch.Tensor, kv_offsets: torch.Tensor, kv_sizes: torch.Tensor,
+                   tile_volume: int, scale: float, gate: Optional[torch.Tensor], coarse: Optional[torch.Tensor],
+                   stages: int, max_registers: int, overlap_values: bool) -> torch.Tensor:
+    return _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse,
+                   stages, max_registers, overlap_values)
+
+
+@_fine_stage_op.register_fake
+def _(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse, stages,
+      max_registers, overlap_values):
+    return _output_like(q)
 
 
 if gluon is not None:
 
     @gluon.jit
     def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk, KOff,
-                        k_row0, k_col, v_row0, v_col, topk, STAGES: gl.constexpr):
-        # The producer warp: key block i into key stage i % STAGES once the consumer freed it, then value block
-        # i likewise (key stages free earlier: a key block is done with once its scores are).
-        for i in range(topk):
+                        k_row0, k_col, v_row0, v_col, entries, PARTS: gl.constexpr, STAGES: gl.constexpr):
+        # The producer warp: key block i (block i % PARTS of selected tile i // PARTS) into key stage i % STAGES
+        # once every consumer freed it, then value block i likewise (key stages free earlier: a key block is done
+        # with once its scores are).
+        BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+        for i in range(entries):
             stage = i % STAGES
             parity = (i // STAGES & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads go at once
-            start = gl.load(KOff + gl.load(sel_base + i * s_sk))
+            start = gl.load(KOff + gl.load(sel_base + (i // PARTS) * s_sk)) + (i % PARTS) * BLOCK
             mbarrier.wait(k_empty.index(stage), parity)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row0 + start, k_col], k_ready.index(stage),
@@ -131,8 +200,15 @@ if gluon is not None:
                                             v_smem.index(stage))
 
     @gluon.jit
+    def _key_count(sel_base, s_sk, KSizes, i, PARTS: gl.constexpr, BLOCK: gl.constexpr):
+        # Keys of block i that count: those of its selected tile from the block's first row on (<= 0: none).
+        return gl.load(KSizes + gl.load(sel_base + (i // PARTS) * s_sk)) - (i % PARTS) * BLOCK
+
+    @gluon.jit
     def _softmax_step(s, m_i, l_i, key_count, scale_log2, cols):
         # Online softmax of one block of unscaled scores: masked key rows -inf, the scale inside exp2's argument.
+        # A block with no key that counts (past a partial tile's end) leaves the state as it is: the first block
+        # of every selected tile holds at least one key, so the running maximum is finite from block 0 on.
         s = gl.where(gl.expand_dims(cols < key_count, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
         p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
@@ -141,12 +217,15 @@ if gluon is not None:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _compute_partition(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk,
-                           KSizes, topk, scale_log2, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           STAGES: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
-        # The consumer warpgroup: the scores of block i + 1 on the tensor cores while the softmax of block i runs
-        # (FlashAttention-3's overlap within a warpgroup), then the value product of block i, waited for at once
-        # or (OVERLAP_VALUES) under the next block's softmax.
+    def _compute_partition(q_smem, ring, work, stores, first_token, row_count, PARTS: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr, HAS_GATE: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
+        # A consumer warpgroup on 64 query rows: the scores of block i + 1 on the tensor cores while the softmax of
+        # block i runs (FlashAttention-3's overlap within a warpgroup), then the value product of block i, waited
+        # for at once or (OVERLAP_VALUES) under the next block's softmax; then its rows' epilogue and store.
+        # out_ptr, gate_ptr: element [token 0, dim 0] of this (batch, head); coarse_ptr: this query tile's row.
+        k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = ring
+        sel_base, s_sk, KSizes, entries, scale_log2 = work
+        out_ptr, s_os, gate_ptr, s_gs, coarse_ptr = stores
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -163,10 +242,10 @@ if gluon is not None:
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        key_count = gl.load(KSizes + gl.load(sel_base))
+        key_count = _key_count(sel_base, s_sk, KSizes, 0, PARTS, BLOCK)
         if OVERLAP_VALUES:  # the accumulator is carried through the loop as an in-flight product's result
             acc = warpgroup_mma_init(acc)
-        for i in range(topk - 1):
+        for i in range(entries - 1):
             stage = i % STAGES
             nxt = (i + 1) % STAGES
             mbarrier.wait(k_ready.index(nxt), (i + 1) // STAGES & 1)
@@ -185,38 +264,55 @@ if gluon is not None:
                 s, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
                 mbarrier.arrive(v_empty.index(stage), count=1)
             mbarrier.arrive(k_empty.index(nxt), count=1)
-            key_count = gl.load(KSizes + gl.load(sel_base + (i + 1) * s_sk))
-        last = (topk - 1) % STAGES
+            key_count = _key_count(sel_base, s_sk, KSizes, i + 1, PARTS, BLOCK)
+        last = (entries - 1) % STAGES
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, key_count, scale_log2, cols)
         if OVERLAP_VALUES:
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_empty.index((topk + STAGES - 2) % STAGES), count=1, pred=topk > 1)
+            mbarrier.arrive(v_empty.index((entries + STAGES - 2) % STAGES), count=1, pred=entries > 1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        mbarrier.wait(v_ready.index(last), (topk - 1) // STAGES & 1)
+        mbarrier.wait(v_ready.index(last), (entries - 1) // STAGES & 1)
         acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
-        return acc, gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        out = (acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)).to(dtype)
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, o_layout))
+        dims = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
+        tokens = gl.expand_dims((first_token + rows).to(gl.int64), 1)
+        row_ok = gl.expand_dims(rows < row_count, 1)
+        if HAS_GATE:  # the reference's addcmul(fine, coarse, gate), each operand in the output dtype
+            g = gl.load(gate_ptr + tokens * s_gs + dims, mask=row_ok, other=0.0)
+            c = gl.load(coarse_ptr + dims).to(dtype).to(gl.float32)
+            out = (out.to(gl.float32) + c * g.to(gl.float32)).to(dtype)
+        gl.store(out_ptr + tokens * s_os + dims, out, mask=row_ok)
 
     @gluon.jit
     def _vsa_fine_gluon_kernel(q_desc, q_rb, q_rh, q_cb, q_ch, k_desc, k_rb, k_rh, k_cb, k_ch,
                                v_desc, v_rb, v_rh, v_cb, v_ch, Out, s_ob, s_oh, s_os,
                                Gate, s_gb, s_gh, s_gs, Coarse, s_cb, s_ch, s_cn,
                                Sel, s_sb, s_sh, s_sn, s_sk, QOff, QSizes, KOff, KSizes, num_heads, topk, scale_log2,
-                               HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                               HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, TILE_VOLUME: gl.constexpr,
+                               CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
                                HAS_GATE: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
         # q/k/v_desc: TMA descriptors of 2-D row views; element [b, h, s, :] is row (b * rb + h * rh + s),
-        # columns from (b * cb + h * ch), as in vsa_triton's kernel.
-        q_tile = gl.program_id(0)
+        # columns from (b * cb + h * ch), as in vsa_triton's kernel. A program: (query tile, block of 64 *
+        # CONSUMERS rows of it) x (batch, head).
+        Q_PARTS: gl.constexpr = TILE_VOLUME // (BLOCK * CONSUMERS)
+        PARTS: gl.constexpr = TILE_VOLUME // BLOCK
+        q_tile = gl.program_id(0) // Q_PARTS
+        q_row = gl.program_id(0) % Q_PARTS * (BLOCK * CONSUMERS)
         bh = gl.program_id(1)
         b = bh // num_heads
         h = bh % num_heads
-        q_start = gl.load(QOff + q_tile)
-        q_count = gl.load(QSizes + q_tile)
+        first_token = gl.load(QOff + q_tile) + q_row
+        row_count = gl.load(QSizes + q_tile) - q_row
         sel_base = Sel + b.to(gl.int64) * s_sb + h.to(gl.int64) * s_sh + q_tile.to(gl.int64) * s_sn
+        entries = topk * PARTS
 
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -228,31 +324,31 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b * q_rb + h * q_rh + q_start, b * q_cb + h * q_ch], q_bar, q_smem)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)  # a stage is free once every consumer is done with it
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [b * q_rb + h * q_rh + first_token + c * BLOCK,
+                                                     b * q_cb + h * q_ch], q_bar, q_smem.index(c))
 
-        acc, l_i = gl.warp_specialize([
-            (_compute_partition, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk,
-                                  KSizes, topk, scale_log2, BLOCK, HEAD_DIM, STAGES, OVERLAP_VALUES)),
-            (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk,
-                               KOff,
-                               b * k_rb + h * k_rh, b * k_cb + h * k_ch, b * v_rb + h * v_rh, b * v_cb + h * v_ch,
-                               topk, STAGES)),
-        ], [1], [24])
-
-        o_layout: gl.constexpr = acc.type.layout
-        out = (acc / gl.expand_dims(l_i, 1)).to(Out.dtype.element_ty)
-        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, o_layout))
-        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        tokens = gl.expand_dims((q_start + rows).to(gl.int64), 1)
-        row_ok = gl.expand_dims(rows < q_count, 1)
-        if HAS_GATE:  # the reference's addcmul(fine, coarse, gate), each operand in the output dtype
-            g = gl.load(Gate + b.to(gl.int64) * s_gb + h.to(gl.int64) * s_gh + tokens * s_gs
-                        + gl.expand_dims(dims, 0), mask=row_ok, other=0.0)
-            c = gl.load(Coarse + b.to(gl.int64) * s_cb + h.to(gl.int64) * s_ch + q_tile.to(gl.int64) * s_cn + dims)
-            c = c.to(Out.dtype.element_ty).to(gl.float32)
-            out = (out.to(gl.float32) + gl.expand_dims(c, 0) * g.to(gl.float32)).to(Out.dtype.element_ty)
-        gl.store(Out + b.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + tokens * s_os + gl.expand_dims(dims, 0), out,
-                 mask=row_ok)
+        out_ptr = Out + b.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh
+        gate_ptr = Gate + b.to(gl.int64) * s_gb + h.to(gl.int64) * s_gh
+        coarse_ptr = Coarse + b.to(gl.int64) * s_cb + h.to(gl.int64) * s_ch + q_tile.to(gl.int64) * s_cn
+        ring = (k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty)
+        work = (sel_base, s_sk, KSizes, entries, scale_log2)
+        stores = (out_ptr, s_os, gate_ptr, s_gs, coarse_ptr)
+        producer_args = (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk, KOff,
+                         b * k_rb + h * k_rh, b * k_cb + h * k_ch, b * v_rb + h * v_rh, b * v_cb + h * v_ch, entries,
+                         PARTS, STAGES)
+        if CONSUMERS == 1:
+            gl.warp_specialize([
+                (_compute_partition, (q_smem.index(0), ring, work, stores, first_token, row_count, PARTS, BLOCK,
+                                      HEAD_DIM, STAGES, HAS_GATE, OVERLAP_VALUES)),
+                (_load_partition, producer_args)], [1], [24])
+        else:  # the second consumer's 64 rows in a worker partition of four warps
+            gl.warp_specialize([
+                (_compute_partition, (q_smem.index(0), ring, work, stores, first_token, row_count, PARTS, BLOCK,
+                                      HEAD_DIM, STAGES, HAS_GATE, OVERLAP_VALUES)),
+                (_compute_partition, (q_smem.index(1), ring, work, stores, first_token + BLOCK, row_count - BLOCK,
+                                      PARTS, BLOCK, HEAD_DIM, STAGES, HAS_GATE, OVERLAP_VALUES)),
+                (_load_partition, producer_args)], [4, 1], [CONSUMER_REGISTERS, 24])
