@@ -131,34 +131,40 @@ def test_gluon_backend_refuses_with_a_clear_error_where_it_cannot_run():
 
 @pytest.mark.skipif(not _HOPPER, reason="GPU-only: the Gluon kernel runs on Hopper (compute capability 9.x)")
 @pytest.mark.parametrize("tile", [(4, 4, 8), (4, 8, 8)])
-def test_auto_runs_the_gluon_fine_stage_at_larger_tiles_cuda(tile):
-    """On Hopper at 128- and 256-slot tiles ``backend="auto"`` resolves to ``"gluon"`` (64-slot tiles: still
-    ``"triton"``); the packed call with it equals the Triton backend's to bf16 rounding, and the tiled call
-    the reference backend's; compiled (``fullgraph``, the Gluon launch an opaque operator) it equals eager."""
+def test_gluon_backend_and_auto_choice_cuda(tile):
+    """On Hopper ``backend="auto"`` resolves to ``"gluon"`` at the tile volumes of
+    ``PREFERRED_TILE_VOLUMES`` (256 slots) and to ``"triton"`` elsewhere; the packed call with
+    ``backend="gluon"`` equals the Triton backend's to bf16 rounding, ``"auto"`` equals the backend it names,
+    and compiled (``fullgraph``, the Gluon launch an opaque operator) the Gluon call equals eager; the tiled call
+    with ``backend="gluon"`` equals the reference backend's."""
     from diffusers_sp.kernels.vsa import backend_on, video_sparse_attention, video_sparse_attention_packed
 
+    V = tile[0] * tile[1] * tile[2]
+    expected = "gluon" if V in vsa_gluon.PREFERRED_TILE_VOLUMES else "triton"
+    assert backend_on("auto", torch.device("cuda"), torch.bfloat16, 128, V) == expected
     assert backend_on("auto", torch.device("cuda"), torch.bfloat16, 128, 64) == "triton"
-    assert backend_on("auto", torch.device("cuda"), torch.bfloat16, 128, tile[0] * tile[1] * tile[2]) == "gluon"
     layout = make_tile_layout((6, 12, 18), tile)
-    V, n, S = layout.tile_volume, layout.num_tiles, layout.num_tokens
+    n, S = layout.num_tiles, layout.num_tokens
     gen = torch.Generator().manual_seed(5)
     q, k, v, gate = (torch.randn(1, S, 3, 128, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)
                      for _ in range(4))
     sizes = layout.block_sizes
     args = dict(tile_volume=V, q_block_sizes=sizes, kv_block_sizes=sizes, sparsity=0.6, gate=gate)
-    auto = video_sparse_attention_packed(q, k, v, **args)
+    fast = video_sparse_attention_packed(q, k, v, backend="gluon", **args)
     triton_out = video_sparse_attention_packed(q, k, v, backend="triton", **args)
-    torch.testing.assert_close(auto.float(), triton_out.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fast.float(), triton_out.float(), rtol=1e-2, atol=1e-2)
+    auto = video_sparse_attention_packed(q, k, v, **args)
+    assert torch.equal(auto, fast if expected == "gluon" else triton_out)
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(video_sparse_attention_packed, fullgraph=True)(q, k, v, **args)
+        compiled = torch.compile(video_sparse_attention_packed, fullgraph=True)(q, k, v, backend="gluon", **args)
     finally:
         torch._dynamo.reset()
-    torch.testing.assert_close(compiled.float(), auto.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(compiled.float(), fast.float(), rtol=1e-2, atol=1e-2)
     slots = vsa.packed_slots(sizes.cuda(), V, S)
     tiled = [vsa.pad_tiles(x, slots, n, V) for x in (q, k, v, gate)]
     kwargs = dict(q_block_sizes=sizes, kv_block_sizes=sizes, sparsity=0.6, gate=tiled[3])
-    fast = vsa.video_sparse_attention(*tiled[:3], backend="gluon", **kwargs)
+    fast_tiled = vsa.video_sparse_attention(*tiled[:3], backend="gluon", **kwargs)
     reference = video_sparse_attention(*(x.float() for x in tiled[:3]), backend="reference",
                                        **dict(kwargs, gate=tiled[3].float()))
-    torch.testing.assert_close(fast.float(), reference, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(fast_tiled.float(), reference, rtol=3e-2, atol=3e-2)

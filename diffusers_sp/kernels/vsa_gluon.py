@@ -18,10 +18,12 @@ Tiles of 64 slots take one consumer (64 query rows a program, two programs a mul
 256 slots take two, FlashAttention-3's 128-row program, so that every key and value block loaded from L2 serves
 128 query rows. Same layout, arguments and result as
 :func:`~diffusers_sp.kernels.vsa_triton.fine_stage_triton_packed` (packed tiles, read through 2-D row views);
-at 64 slots its output equals the Triton kernel's bit for bit. At the Wan 1.3B shape and 64 slots on an H100
-it takes as long as Triton's (2.41 ms against 2.40, sparsity 0.9): a stripped kernel that only streams the
-same key and value blocks by TMA over the same grid takes 2.07 ms, so at 64 query rows a program the fine
-stage is bound by feeding the blocks from L2 (benchmarks/RESULTS.md).
+its output equals the Triton kernel's bit for bit. At the Wan 1.3B shape and sparsity 0.9 on an H100
+(benchmarks/RESULTS.md) it takes as long as Triton's at 64 slots (2.34-2.44 ms against 2.37-2.40) and runs
+3-4 % faster at 128 and 256 (2.33 / 2.54 ms against 2.41 / 2.62 at the best stage count): halving the bytes
+read from L2 per product bought little, so the 64 x 64 block loop of each warpgroup, not the feed, bounds
+it. ``backend="gluon"`` of :mod:`~diffusers_sp.kernels.vsa` runs it; ``"auto"`` does at
+:data:`PREFERRED_TILE_VOLUMES`.
 Needs Triton with Gluon (3.5+) and a GPU of compute capability 9.x.
 """
 
@@ -49,8 +51,10 @@ BLOCK = 64
 #: Tile volumes ``V`` the kernel takes. Tiles of 128 and 256 slots are walked in key blocks of 64; their programs
 #: take 128 query rows on two consumer warpgroups, which share every key and value block the producer loads.
 TILE_VOLUMES = (64, 128, 256)
-#: Tile volumes at which ``backend="auto"`` runs this kernel rather than the Triton one (benchmarks/RESULTS.md).
-PREFERRED_TILE_VOLUMES = (128, 256)
+#: Tile volumes at which ``backend="auto"`` runs this kernel rather than the Triton one: 256 slots, where the
+#: call with the gate ran 2.43 ms queued against 2.52 (H100, Wan 1.3B shape, sparsity 0.9); at 128 slots the two
+#: were level (2.52 / 2.54 ms) and at 64 the Triton kernel was ahead (benchmarks/RESULTS.md).
+PREFERRED_TILE_VOLUMES = (256,)
 #: Shared-memory stages of the key ring and of the value ring (each stage ``64 * D`` elements) by consumer
 #: count: one consumer, three stages ran 2.41 ms, two 2.45 (H100, D = 128, two programs a multiprocessor).
 DEFAULT_STAGES = {1: 3, 2: 4}
@@ -217,7 +221,8 @@ if gluon is not None:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _compute_partition(q_smem, ring, work, stores, first_token, row_count, PARTS: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+    def _compute_partition(q_smem, ring, work, stores, first_token, row_count, PARTS: gl.constexpr,
+                           BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
                            STAGES: gl.constexpr, HAS_GATE: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
         # A consumer warpgroup on 64 query rows: the scores of block i + 1 on the tensor cores while the softmax of
         # block i runs (FlashAttention-3's overlap within a warpgroup), then the value product of block i, waited
