@@ -56,9 +56,9 @@ BACKENDS = ("auto", "reference", "flex", "triton", "gluon", "fa4")
 # first as measured at the Wan2.1-1.3B shape on an H200 (sparsity 0.9, bf16; benchmarks/RESULTS.md):
 # Triton 2.53-2.54 ms, flex 3.07-3.16 ms, FA4 block-sparse 3.61-3.69 ms (3.32 ms even with every block
 # passed as full, so at 64 x 64 blocks FA4's block-sparse forward is the slower kernel here); on an H100
-# at 64-, 128- and 256-slot tiles Triton was fastest too, until the warp-specialised Gluon fine stage with two
-# consumer warpgroups (Hopper, 128 and 256 slots: "gluon" applies in this order only where
-# vsa_gluon.gluon_preferred says so; the coarse stage is the Triton backend's). The packed API follows the same
+# at 64-, 128- and 256-slot tiles Triton was fastest too, except that at 256 the warp-specialised Gluon fine
+# stage with two consumer warpgroups ran the call faster (Hopper; "gluon" applies in this order only where
+# vsa_gluon.gluon_preferred says so; its coarse stage is the Triton backend's). The packed API follows the same
 # order.
 AUTO_ORDER = ("gluon", "triton", "flex", "fa4", "reference")
 _FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -239,9 +239,9 @@ def _triton_vsa(q, k, v, *, q_tiles, kv_tiles, q_rows, tile_volume, sparsity, ga
 def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """The fine-stage backend ``backend="auto"`` runs for tiled ``[B, H, N, V, D]`` tensors: the first of
     :data:`AUTO_ORDER` that applies (``"reference"`` always does)."""
-    flat = [t.flatten(2, 3) for t in (q, k, v)]  # padded tiles read as packed ones
     applies = {"fa4": lambda: fa4_block_sparse_applies(q, k, v) is None,
-               "gluon": lambda: triton_applies(q, k, v) and gluon_preferred(*flat, q.shape[3]),
+               "gluon": lambda: triton_applies(q, k, v) and gluon_preferred(  # padded tiles read as packed ones
+                   *(t.flatten(2, 3) for t in (q, k, v)), q.shape[3]),
                "triton": lambda: triton_applies(q, k, v),
                "flex": lambda: _flex_applies(q, k, v),
                "reference": lambda: True}
@@ -458,7 +458,8 @@ def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -
     if backend == "triton" and not triton_applies(q, k, v):
         raise ValueError(f"backend='triton': {triton_requirements(q, k, v)}. Use backend='reference', 'flex' "
                          "or 'auto'.")
-    _check_gluon(backend, q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), q.shape[3])
+    if backend == "gluon":
+        _check_gluon(backend, q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), q.shape[3])
 
 
 def _check_gluon(backend, q, k, v, tile_volume) -> None:
