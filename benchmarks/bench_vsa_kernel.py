@@ -380,18 +380,14 @@ def main() -> int:
     has_gluon = not args.no_gluon and vsa_gluon.gluon_applies(*packed[:3], layout.tile_volume)
     if has_gluon:  # the warp-specialised Gluon fine stage against Triton's on the packed tensors of the call
         cases["fine_stage_only_triton_packed"] = triton_packed_fine_stage_only
-        # (stages, registers, scores product ahead of the softmax, value product in flight, key rows a block)
-        variants = (((2, 128, True, False, 64), (3, 128, True, False, 64), (3, 255, True, False, 64),
-                     (4, 255, True, False, 64), (2, 128, True, True, 64), (3, 128, True, True, 64),
-                     (4, 255, True, True, 64), (3, 128, False, False, 64)) if layout.tile_volume == 64 else
-                    ((2, 168, True, False, 64), (3, 168, True, False, 64), (4, 168, True, False, 64),
-                     (5, 168, True, False, 64), (3, 168, True, True, 64), (4, 168, True, True, 64),
-                     (4, 168, False, False, 64), (2, 168, False, False, 128), (3, 168, False, False, 128)))
-        for stages, regs, ahead, overlap, key_block in variants:
-            name = (f"fine_stage_only_gluon_s{stages}_r{regs}{'_overlap' if overlap else ''}"
-                    f"{'' if ahead else '_serial'}{'_kb128' if key_block == 128 else ''}")
-            cases[name] = (lambda st=stages, r=regs, a=ahead, o=overlap, kb=key_block: gluon_fine_stage_only(
-                stages=st, max_registers=r, overlap_scores=a, overlap_values=o, key_block=kb))
+        variants = (((2, 128, False), (3, 128, False), (3, 255, False), (4, 255, False), (2, 128, True),
+                     (3, 128, True), (4, 255, True)) if layout.tile_volume == 64 else  # one consumer warpgroup
+                    ((2, 168, False), (3, 168, False), (4, 168, False), (5, 168, False), (3, 168, True),
+                     (4, 168, True)))  # two consumer warpgroups on 128 query rows, one program a multiprocessor
+        for stages, regs, overlap in variants:
+            cases[f"fine_stage_only_gluon_s{stages}_r{regs}{'_overlap' if overlap else ''}"] = (
+                lambda st=stages, r=regs, o=overlap: gluon_fine_stage_only(stages=st, max_registers=r,
+                                                                           overlap_values=o))
         cases["vsa_random_gate_packed_triton"] = lambda: vsa_packed(with_gate=True, backend="triton")
         cases["vsa_random_gate_packed_gluon"] = lambda: vsa_packed(with_gate=True, backend="gluon")
         cases["vsa_random_gate_packed_gluon_overlap"] = lambda: _with_gluon_fine_stage(

@@ -85,23 +85,17 @@ def test_gluon_fine_stage_matches_triton_and_reference_cuda(layout_kind, head_di
 @pytest.mark.parametrize("layout_kind", ["bshd", "token_major"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("tile", [(4, 4, 8), (4, 8, 8)])
-@pytest.mark.parametrize("stages,overlap_scores,overlap_values,key_block", [
-    (None, True, False, 64), (2, True, False, 64), (5, True, True, 64), (4, False, False, 64),
-    (2, False, False, 128), (3, False, False, 128)], ids=str)
-def test_gluon_two_consumers_at_larger_tiles_cuda(layout_kind, head_dim, tile, stages, overlap_scores,
-                                                  overlap_values, key_block):
-    """128- and 256-slot tiles (two consumer warpgroups on 128 query rows, key tiles walked in blocks of 64 or
-    128, the next scores product issued ahead of the softmax or not) on a 6 x 12 x 18 grid whose edge tiles hold
-    fewer than 64 tokens, so that a program's second warpgroup has no valid row and key blocks lie wholly past a
-    tile's end."""
+@pytest.mark.parametrize("stages,overlap_values", [(None, False), (2, False), (5, True)])
+def test_gluon_two_consumers_at_larger_tiles_cuda(layout_kind, head_dim, tile, stages, overlap_values):
+    """128- and 256-slot tiles (two consumer warpgroups on 128 query rows, key tiles walked in blocks of 64) on
+    a 6 x 12 x 18 grid whose edge tiles hold fewer than 64 tokens, so that a program's second warpgroup has no
+    valid row and key blocks lie wholly past a tile's end."""
     _check_against_triton_and_reference(layout_kind, head_dim, (6, 12, 18), tile, stages=stages,
-                                        overlap_scores=overlap_scores, overlap_values=overlap_values,
-                                        key_block=key_block)
+                                        overlap_values=overlap_values)
 
 
 def test_gluon_launch_options_are_checked_before_any_launch():
-    """Out-of-range ``stages`` (shared memory), ``max_registers`` and ``key_block``, and the value product in
-    flight without the scores product ahead, raise a ValueError naming the range; checked after
+    """Out-of-range ``stages`` and ``max_registers`` raise a ValueError naming the range; checked after
     ``gluon_applies``, so on a machine without a Hopper GPU the requirement error comes first."""
     q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
     sizes = torch.full((1,), 256, dtype=torch.int32)
@@ -114,14 +108,10 @@ def test_gluon_launch_options_are_checked_before_any_launch():
         return
     q = q.cuda()
     call = {key: (val.cuda() if torch.is_tensor(val) else val) for key, val in call.items()}
-    for options, message in (({"stages": 7}, "fit 231424 bytes of shared memory, got 7"),
-                             ({"stages": 4, "key_block": 128}, "fit 231424 bytes of shared memory, got 4"),
-                             ({"stages": 1}, "stages must be at least 2"),
-                             ({"max_registers": 255}, r"max_registers must be in \[24, 168\] at V=256"),
-                             ({"key_block": 32}, "key_block must be 64 or 128"),
-                             ({"overlap_values": True, "overlap_scores": False}, "needs overlap_scores")):
-        with pytest.raises(ValueError, match=message):
-            vsa_gluon.fine_stage_gluon_packed(q, q, q, selected.cuda(), **options, **call)
+    with pytest.raises(ValueError, match=r"stages must be in \[2, 5\] at V=256"):
+        vsa_gluon.fine_stage_gluon_packed(q, q, q, selected.cuda(), stages=6, **call)
+    with pytest.raises(ValueError, match=r"max_registers must be in \[24, 168\] at V=256"):
+        vsa_gluon.fine_stage_gluon_packed(q, q, q, selected.cuda(), max_registers=255, **call)
 
 
 def test_gluon_backend_refuses_with_a_clear_error_where_it_cannot_run():

@@ -62,8 +62,6 @@ DEFAULT_STAGES = {1: 3, 2: 4}
 #: warpgroup, and the producer warp padded to a warpgroup) fit two programs on a multiprocessor. Two: twelve
 #: warps at 168 fill a multiprocessor's 65536 registers. The producer gives all but 24 of its back.
 DEFAULT_MAX_REGISTERS = {1: 128, 2: 168}
-#: Shared memory a program may hold on Hopper (227 KiB), less the mbarriers and the launch's reserve.
-_SHARED_MEMORY = 227 * 1024 - 1024
 
 
 def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int) -> bool:
@@ -100,8 +98,7 @@ def fine_stage_gluon_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
                             kv_sizes: torch.Tensor, tile_volume: int, scale: float,
                             gate: torch.Tensor | None = None, coarse: torch.Tensor | None = None,
                             stages: int | None = None, max_registers: int | None = None,
-                            overlap_scores: bool = True, overlap_values: bool = False,
-                            key_block: int = BLOCK) -> torch.Tensor:
+                            overlap_values: bool = False) -> torch.Tensor:
     """VSA's fine stage on packed tiles with the warp-specialised Gluon kernel.
 
     Args and result as :func:`~diffusers_sp.kernels.vsa_triton.fine_stage_triton_packed` (``q``, ``k``,
@@ -109,16 +106,13 @@ def fine_stage_gluon_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     offsets and sizes ``[N]``; ``gate`` ``[B, H, Sq, D]`` with ``coarse`` float32 ``[B, H, Nq, D]``), plus
     ``stages``: key and value blocks in flight each (2 to 4 at ``V = 64``, 2 to 5 at 128 and 256; None:
     :data:`DEFAULT_STAGES`), ``max_registers``: registers per thread the launch reserves (None:
-    :data:`DEFAULT_MAX_REGISTERS`; at most 255 with one consumer, 168 with two), ``overlap_scores``: issue
-    the next block's scores product before the current block's softmax (False: one block after the other, which
-    needs registers for one scores block only), ``overlap_values``: leave each value product in flight under
-    the next block's softmax (FlashAttention-3's full overlap; slower at 64 slots: 2.54 ms at three stages;
-    needs ``overlap_scores``), ``key_block``: key rows a block, 64 or 128 (a divisor of ``V``).
+    :data:`DEFAULT_MAX_REGISTERS`; at most 255 with one consumer, 168 with two), ``overlap_values``: leave
+    each value product in flight under the next block's softmax (FlashAttention-3's full overlap; slower at 64
+    slots: 2.54 ms at three stages).
 
     Raises:
-        ValueError: :func:`gluon_applies` is false, only one of ``gate`` and ``coarse`` is given, ``stages``,
-            ``max_registers`` or ``key_block`` is out of range, the stages do not fit in shared memory, or
-            ``overlap_values`` is asked without ``overlap_scores``.
+        ValueError: :func:`gluon_applies` is false, only one of ``gate`` and ``coarse`` is given, or
+            ``stages`` or ``max_registers`` is out of range.
     """
     q, k, v, gate = (_unit_last_stride(t) for t in (q, k, v, gate))  # once: gluon_applies reads these as they are
     if not gluon_applies(q, k, v, tile_volume):
@@ -128,27 +122,21 @@ def fine_stage_gluon_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     consumers = 1 if tile_volume == BLOCK else 2
     stages = DEFAULT_STAGES[consumers] if stages is None else stages
     max_registers = DEFAULT_MAX_REGISTERS[consumers] if max_registers is None else max_registers
-    if key_block not in (64, 128) or tile_volume % key_block:
-        raise ValueError(f"key_block must be 64 or 128 and divide V={tile_volume}, got {key_block}")
-    shared_bytes = (consumers * BLOCK + 2 * stages * key_block) * q.shape[-1] * q.element_size()
-    if stages < 2 or shared_bytes > _SHARED_MEMORY:  # query rows, then a key and a value block a stage
-        raise ValueError(f"stages must be at least 2 and fit {_SHARED_MEMORY} bytes of shared memory, got {stages} "
-                         f"({shared_bytes} bytes at V={tile_volume}, D={q.shape[-1]}, key_block={key_block})")
-    if overlap_values and not overlap_scores:
-        raise ValueError("overlap_values needs overlap_scores")
+    if not 2 <= stages <= 3 + consumers:  # shared memory: 64 query rows and 2 * stages blocks a consumer count
+        raise ValueError(f"stages must be in [2, {3 + consumers}] at V={tile_volume}, got {stages}")
     if not 24 <= max_registers <= (255 if consumers == 1 else 168):  # twelve warps share 65536 registers
         raise ValueError(f"max_registers must be in [24, {255 if consumers == 1 else 168}] at V={tile_volume}, "
                          f"got {max_registers}")
     if torch.compiler.is_compiling():  # the host-side descriptors do not trace: one opaque operator
         return torch.ops.diffusers_sp.vsa_fine_stage_gluon(q, k, v, selected, q_offsets, q_sizes, kv_offsets,
                                                            kv_sizes, tile_volume, scale, gate, coarse, stages,
-                                                           max_registers, overlap_scores, overlap_values, key_block)
+                                                           max_registers, overlap_values)
     return _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse,
-                   stages, max_registers, overlap_scores, overlap_values, key_block)
+                   stages, max_registers, overlap_values)
 
 
 def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse, stages,
-            max_registers, overlap_scores, overlap_values, key_block):
+            max_registers, overlap_values):
     """Launches the kernel (see :func:`fine_stage_gluon_packed`; arguments checked there). Tensors whose
     addresses TMA cannot read (known only here under ``torch.compile``) run the Triton kernel instead."""
     if not tma_applies(q, k, v):
@@ -159,12 +147,12 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     out = _output_like(q)
     selected = selected.contiguous()
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl_dtype)
     operands = []
-    for t, block in ((q, BLOCK), (k, key_block), (v, key_block)):
+    for t in (q, k, v):
         rows, cols, coeffs = _row_view(t)
         table = t.as_strided((rows, cols), (t.stride(2), 1))
-        layout = gl.NVMMASharedLayout.get_default_for([block, D], gl_dtype)
-        operands += [TensorDescriptor(table, [rows, cols], [t.stride(2), 1], [block, D], layout), *coeffs]
+        operands += [TensorDescriptor(table, [rows, cols], [t.stride(2), 1], [BLOCK, D], layout), *coeffs]
     has_gate = gate is not None
     gate_args = (gate, *gate.stride()[:3]) if has_gate else (out, 0, 0, 0)
     coarse_args = (coarse, *coarse.stride()[:3]) if has_gate else (out, 0, 0, 0)
@@ -173,8 +161,7 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
         *operands, out, *out.stride()[:3], *gate_args, *coarse_args, selected, *selected.stride(),
         q_offsets, q_sizes, kv_offsets, kv_sizes, H, selected.shape[-1], scale * _LOG2_E,
         HEAD_DIM=D, BLOCK=BLOCK, TILE_VOLUME=tile_volume, CONSUMERS=consumers, STAGES=stages,
-        CONSUMER_REGISTERS=max_registers // 8 * 8, HAS_GATE=has_gate, OVERLAP_SCORES=overlap_scores,
-        OVERLAP_VALUES=overlap_values, num_warps=4,
+        CONSUMER_REGISTERS=max_registers // 8 * 8, HAS_GATE=has_gate, OVERLAP_VALUES=overlap_values, num_warps=4,
         maxnreg=max_registers)
     return out
 
@@ -183,15 +170,14 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
 def _fine_stage_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor,
                    q_offsets: torch.Tensor, q_sizes: torch.Tensor, kv_offsets: torch.Tensor, kv_sizes: torch.Tensor,
                    tile_volume: int, scale: float, gate: Optional[torch.Tensor], coarse: Optional[torch.Tensor],
-                   stages: int, max_registers: int, overlap_scores: bool, overlap_values: bool,
-                   key_block: int) -> torch.Tensor:
+                   stages: int, max_registers: int, overlap_values: bool) -> torch.Tensor:
     return _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse,
-                   stages, max_registers, overlap_scores, overlap_values, key_block)
+                   stages, max_registers, overlap_values)
 
 
 @_fine_stage_op.register_fake
 def _(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse, stages,
-      max_registers, overlap_scores, overlap_values, key_block):
+      max_registers, overlap_values):
     return _output_like(q)
 
 
@@ -236,91 +222,66 @@ if gluon is not None:
 
     @gluon.jit
     def _compute_partition(q_smem, ring, work, stores, first_token, row_count, PARTS: gl.constexpr,
-                           BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                           HAS_GATE: gl.constexpr, OVERLAP_SCORES: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
+                           BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr, HAS_GATE: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
         # A consumer warpgroup on 64 query rows: the scores of block i + 1 on the tensor cores while the softmax of
-        # block i runs (OVERLAP_SCORES: FlashAttention-3's overlap within a warpgroup; else one block after the
-        # other, the other consumer's products filling the gaps), then the value product of block i, waited for
-        # at once or (OVERLAP_VALUES) under the next block's softmax; then its rows' epilogue and store.
+        # block i runs (FlashAttention-3's overlap within a warpgroup), then the value product of block i, waited
+        # for at once or (OVERLAP_VALUES) under the next block's softmax; then its rows' epilogue and store.
         # out_ptr, gate_ptr: element [token 0, dim 0] of this (batch, head); coarse_ptr: this query tile's row.
         k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = ring
         sel_base, s_sk, KSizes, entries, scale_log2 = work
         out_ptr, s_os, gate_ptr, s_gs, coarse_ptr = stores
-        KEY_BLOCK: gl.constexpr = k_smem.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, KEY_BLOCK, 16])
+                                                           instr_shape=[16, BLOCK, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        cols = gl.arange(0, KEY_BLOCK, layout=gl.SliceLayout(0, s_layout))
-        zero_s = gl.zeros([BLOCK, KEY_BLOCK], gl.float32, s_layout)
+        cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BLOCK], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, o_layout)
 
         mbarrier.wait(q_bar, 0)
-        if not OVERLAP_SCORES:
-            for i in range(entries):
-                stage = i % STAGES
-                mbarrier.wait(k_ready.index(stage), i // STAGES & 1)
-                s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s,))
-                mbarrier.arrive(k_empty.index(stage), count=1)
-                key_count = _key_count(sel_base, s_sk, KSizes, i, PARTS, KEY_BLOCK)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, key_count, scale_log2, cols)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-                mbarrier.wait(v_ready.index(stage), i // STAGES & 1)
-                acc = warpgroup_mma(p, v_smem.index(stage), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(stage), count=1)
-        else:
-            mbarrier.wait(k_ready.index(0), 0)
-            s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            mbarrier.arrive(k_empty.index(0), count=1)
-            key_count = _key_count(sel_base, s_sk, KSizes, 0, PARTS, KEY_BLOCK)
-            if OVERLAP_VALUES:  # the accumulator is carried through the loop as an in-flight product's result
-                acc = warpgroup_mma_init(acc)
-            for i in range(entries - 1):
-                stage = i % STAGES
-                nxt = (i + 1) % STAGES
-                mbarrier.wait(k_ready.index(nxt), (i + 1) // STAGES & 1)
-                s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, key_count, scale_log2, cols)
-                if OVERLAP_VALUES:  # block i - 1's value product ran under this softmax: finish it (in order)
-                    acc = warpgroup_mma_wait(1, deps=(acc,))
-                    mbarrier.arrive(v_empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-                mbarrier.wait(v_ready.index(stage), i // STAGES & 1)
-                acc = warpgroup_mma(p, v_smem.index(stage), acc, is_async=True)
-                if OVERLAP_VALUES:  # the scores of block i + 1 are done; block i's value product stays in flight
-                    s = warpgroup_mma_wait(1, deps=(s_next,))
-                else:
-                    s, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
-                    mbarrier.arrive(v_empty.index(stage), count=1)
-                mbarrier.arrive(k_empty.index(nxt), count=1)
-                key_count = _key_count(sel_base, s_sk, KSizes, i + 1, PARTS, KEY_BLOCK)
-            last = (entries - 1) % STAGES
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        key_count = _key_count(sel_base, s_sk, KSizes, 0, PARTS, BLOCK)
+        if OVERLAP_VALUES:  # the accumulator is carried through the loop as an in-flight product's result
+            acc = warpgroup_mma_init(acc)
+        for i in range(entries - 1):
+            stage = i % STAGES
+            nxt = (i + 1) % STAGES
+            mbarrier.wait(k_ready.index(nxt), (i + 1) // STAGES & 1)
+            s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, key_count, scale_log2, cols)
-            if OVERLAP_VALUES:
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_empty.index((entries + STAGES - 2) % STAGES), count=1, pred=entries > 1)
+            if OVERLAP_VALUES:  # block i - 1's value product ran under this softmax: finish it (groups retire in order)
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                mbarrier.arrive(v_empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            mbarrier.wait(v_ready.index(last), (entries - 1) // STAGES & 1)
-            acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+            mbarrier.wait(v_ready.index(stage), i // STAGES & 1)
+            acc = warpgroup_mma(p, v_smem.index(stage), acc, is_async=True)
+            if OVERLAP_VALUES:  # the scores of block i + 1 are done; block i's value product stays in flight
+                s = warpgroup_mma_wait(1, deps=(s_next,))
+            else:
+                s, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
+                mbarrier.arrive(v_empty.index(stage), count=1)
+            mbarrier.arrive(k_empty.index(nxt), count=1)
+            key_count = _key_count(sel_base, s_sk, KSizes, i + 1, PARTS, BLOCK)
+        last = (entries - 1) % STAGES
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, key_count, scale_log2, cols)
+        if OVERLAP_VALUES:
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(last), count=1)
-        _store_rows(acc, l_i, out_ptr, s_os, gate_ptr, s_gs, coarse_ptr, first_token, row_count, BLOCK, HEAD_DIM,
-                    HAS_GATE)
+            mbarrier.arrive(v_empty.index((entries + STAGES - 2) % STAGES), count=1, pred=entries > 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        mbarrier.wait(v_ready.index(last), (entries - 1) // STAGES & 1)
+        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last), count=1)
 
-    @gluon.jit
-    def _store_rows(acc, l_i, out_ptr, s_os, gate_ptr, s_gs, coarse_ptr, first_token, row_count,
-                    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_GATE: gl.constexpr):
-        # A consumer's epilogue: its 64 rows normalised, the gated coarse output added, the valid ones stored.
-        o_layout: gl.constexpr = acc.type.layout
         dtype: gl.constexpr = out_ptr.dtype.element_ty
         out = (acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)).to(dtype)
         rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, o_layout))
@@ -340,13 +301,12 @@ if gluon is not None:
                                Sel, s_sb, s_sh, s_sn, s_sk, QOff, QSizes, KOff, KSizes, num_heads, topk, scale_log2,
                                HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, TILE_VOLUME: gl.constexpr,
                                CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
-                               HAS_GATE: gl.constexpr, OVERLAP_SCORES: gl.constexpr,
-                               OVERLAP_VALUES: gl.constexpr):
+                               HAS_GATE: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
         # q/k/v_desc: TMA descriptors of 2-D row views; element [b, h, s, :] is row (b * rb + h * rh + s),
         # columns from (b * cb + h * ch), as in vsa_triton's kernel. A program: (query tile, block of 64 *
         # CONSUMERS rows of it) x (batch, head).
         Q_PARTS: gl.constexpr = TILE_VOLUME // (BLOCK * CONSUMERS)
-        PARTS: gl.constexpr = TILE_VOLUME // k_desc.block_type.shape[0]  # key blocks a selected tile
+        PARTS: gl.constexpr = TILE_VOLUME // BLOCK
         q_tile = gl.program_id(0) // Q_PARTS
         q_row = gl.program_id(0) % Q_PARTS * (BLOCK * CONSUMERS)
         bh = gl.program_id(1)
@@ -388,12 +348,12 @@ if gluon is not None:
         if CONSUMERS == 1:
             gl.warp_specialize([
                 (_compute_partition, (q_smem.index(0), ring, work, stores, first_token, row_count, PARTS, BLOCK,
-                                      HEAD_DIM, STAGES, HAS_GATE, OVERLAP_SCORES, OVERLAP_VALUES)),
+                                      HEAD_DIM, STAGES, HAS_GATE, OVERLAP_VALUES)),
                 (_load_partition, producer_args)], [1], [24])
         else:  # the second consumer's 64 rows in a worker partition of four warps
             gl.warp_specialize([
                 (_compute_partition, (q_smem.index(0), ring, work, stores, first_token, row_count, PARTS, BLOCK,
-                                      HEAD_DIM, STAGES, HAS_GATE, OVERLAP_SCORES, OVERLAP_VALUES)),
+                                      HEAD_DIM, STAGES, HAS_GATE, OVERLAP_VALUES)),
                 (_compute_partition, (q_smem.index(1), ring, work, stores, first_token + BLOCK, row_count - BLOCK,
-                                      PARTS, BLOCK, HEAD_DIM, STAGES, HAS_GATE, OVERLAP_SCORES, OVERLAP_VALUES)),
+                                      PARTS, BLOCK, HEAD_DIM, STAGES, HAS_GATE, OVERLAP_VALUES)),
                 (_load_partition, producer_args)], [4, 1], [CONSUMER_REGISTERS, 24])
