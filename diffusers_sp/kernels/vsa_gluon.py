@@ -56,7 +56,9 @@ TILE_VOLUMES = (64, 128, 256)
 #: were level (2.52 / 2.54 ms) and at 64 the Triton kernel was ahead (benchmarks/RESULTS.md).
 PREFERRED_TILE_VOLUMES = (256,)
 #: Shared-memory stages of the key ring and of the value ring (each stage ``64 * D`` elements) by consumer
-#: count: one consumer, three stages ran 2.41 ms, two 2.45 (H100, D = 128, two programs a multiprocessor).
+#: count: one consumer, three stages ran 2.41 ms, two 2.45 (H100, D = 128, two programs a multiprocessor); two
+#: consumers at 256 slots, 2.55 / 2.56 / 2.54 ms at three / four / five stages (at 128 slots three ran 2.33 ms,
+#: four 2.51: one run, so four, the setting the whole call was timed with, stays until a second run).
 DEFAULT_STAGES = {1: 3, 2: 4}
 #: Registers per thread reserved at launch by consumer count. One consumer: 128 on eight warps (the consumer
 #: warpgroup, and the producer warp padded to a warpgroup) fit two programs on a multiprocessor. Two: twelve
