@@ -13,13 +13,13 @@ Times (median of CUDA-event timings after warm-up):
     output) and on pre-tiled tensors; the zero-gate case also with the flex backend; with
     FlashAttention-4 installed, the same with the FA4 block-sparse fine stage (``backend="fa4"``);
   * the fine stage alone (Triton default, Triton with ordinary loads, flex_attention with a prebuilt
-    BlockMask, FA4 block-sparse; on Hopper at 64-token tiles also the warp-specialised Gluon kernel of
-    ``kernels/vsa_gluon.py`` against Triton's on the call's packed tensors, and the whole call with it), to
+    BlockMask, FA4 block-sparse; on Hopper also the warp-specialised Gluon kernel of
+    ``kernels/vsa_gluon.py`` against Triton's on the call's packed tensors, and the whole call by backend), to
     separate the sparse kernel from the coarse stage and top-k;
   * ``--sweep``: the Triton kernels' launch configurations (``--sweep-coarse``: the coarse stage's only);
     ``--bound``: two stripped copies of the fine stage (loads only; loads and both matrix products without
-    softmax), with ordinary and with TMA loads; ``--profile``: a ``torch.profiler`` summary of one packed call with a gate (time per kernel:
-    tile means, tile scores, top-k, fine stage);
+    softmax), with ordinary and with TMA loads; ``--profile``: a ``torch.profiler`` summary of one packed
+    call with a gate (time per kernel: tile means, tile scores, top-k, fine stage);
   * host time per call (Python and launches, the GPU kept busy) of the packed calls, the coarse stage and
     the fine stage, to tell a call on an idle GPU ("synced") waiting for its launches from the kernels' time.
 Checks VSA at sparsity 0 with a zero gate against dense attention, and the backends against each

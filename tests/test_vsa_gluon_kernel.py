@@ -11,7 +11,7 @@ _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] ==
 
 
 def test_gluon_refuses_what_it_cannot_run():
-    """CPU tensors, 32-slot tiles and float32 are not the kernel's: ``gluon_applies`` says no and the launch
+    """CPU tensors and 32-slot tiles are not the kernel's: ``gluon_applies`` says no and the launch
     raises a ValueError naming what it needs, before any launch."""
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
     assert not vsa_gluon.gluon_applies(q, q, q, 64)

@@ -418,7 +418,8 @@ def _validate_packed(q, k, v, tile_volume, q_block_sizes, kv_block_sizes, gate, 
                              f"sequence, got sum {int(sizes.sum())}")
     if gate is not None and gate.shape != q.shape:
         raise ValueError(f"gate must have q's shape {tuple(q.shape)}, got {tuple(gate.shape)}")
-    _check_gluon(backend, q, k, v, int(tile_volume))
+    if backend == "gluon":
+        _check_gluon(q, k, v, int(tile_volume))
 
 
 def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -> None:
@@ -459,13 +460,12 @@ def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -
         raise ValueError(f"backend='triton': {triton_requirements(q, k, v)}. Use backend='reference', 'flex' "
                          "or 'auto'.")
     if backend == "gluon":
-        _check_gluon(backend, q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), q.shape[3])
+        _check_gluon(q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3), q.shape[3])
 
 
-def _check_gluon(backend, q, k, v, tile_volume) -> None:
-    """``backend="gluon"`` where the Gluon fine stage or the Triton coarse stage cannot run: a ValueError."""
-    if backend != "gluon":
-        return
+def _check_gluon(q, k, v, tile_volume) -> None:
+    """``backend="gluon"`` on packed ``[B, H, S, D]`` tensors where the Gluon fine stage or the Triton coarse stage
+    cannot run: a ValueError."""
     if not triton_applies(q, k, v, tile_volume):
         raise ValueError(f"backend='gluon': {triton_requirements(q, k, v, tile_volume)}. Use backend='reference', "
                          "'flex' or 'auto'.")

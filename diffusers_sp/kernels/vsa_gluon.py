@@ -76,7 +76,7 @@ def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return False
-    # Traced tensors have no addresses: the compiled operator checks them when it runs (see _launch).
+    # Traced tensors have no addresses: the compiled operator checks them when it runs (_fine_stage_op).
     return torch.compiler.is_compiling() or tma_applies(*(_unit_last_stride(t) for t in (q, k, v)))
 
 
@@ -139,11 +139,8 @@ def fine_stage_gluon_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse, stages,
             max_registers, overlap_values):
-    """Launches the kernel (see :func:`fine_stage_gluon_packed`; arguments checked there). Tensors whose
-    addresses TMA cannot read (known only here under ``torch.compile``) run the Triton kernel instead."""
-    if not tma_applies(q, k, v):
-        return _launch_triton(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate,
-                              coarse, None)
+    """Launches the kernel (see :func:`fine_stage_gluon_packed`; arguments, TMA addresses included, checked
+    before)."""
     consumers = 1 if tile_volume == BLOCK else 2
     B, H, _, D = q.shape
     out = _output_like(q)
@@ -173,6 +170,10 @@ def _fine_stage_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: 
                    q_offsets: torch.Tensor, q_sizes: torch.Tensor, kv_offsets: torch.Tensor, kv_sizes: torch.Tensor,
                    tile_volume: int, scale: float, gate: Optional[torch.Tensor], coarse: Optional[torch.Tensor],
                    stages: int, max_registers: int, overlap_values: bool) -> torch.Tensor:
+    # Traced calls could not check the addresses (gluon_applies): tensors TMA cannot read run the Triton kernel.
+    if not tma_applies(q, k, v):
+        return _launch_triton(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate,
+                              coarse, None)
     return _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse,
                    stages, max_registers, overlap_values)
 
