@@ -365,6 +365,11 @@ def main() -> int:
         cases["vsa_random_gate_packed_m64"] = lambda: _with_config(vsa_triton, {"block_m": 64},
                                                                    lambda: vsa_packed(with_gate=True))
     cases["coarse_stage_and_topk_unsorted"] = lambda: coarse_and_topk(sorted_topk=False)
+    # The top-k kernel alone on this call's tile scores, with and without the common-prefix start and early exit.
+    tile_scores = vsa._tile_means(qt, block_sizes) @ vsa._tile_means(kt, block_sizes).transpose(-1, -2)
+    for early_exit in (True, False):
+        cases[f"topk_only_{'early_exit' if early_exit else 'full_radix'}"] = (
+            lambda e=early_exit: vsa_coarse_triton.topk_tiles_triton(tile_scores, topk, early_exit=e))
     has_fa4 = fa4.fa4_block_sparse_applies(qt, kt, vt) is None
     if fa4.fa4_installed():  # dense FA4 at every tiling: the block-sparse path takes 64-slot tiles only
         cases["dense_fa4"] = lambda: fa4.fa4_attention(q, k, v)
@@ -413,7 +418,8 @@ def main() -> int:
                           "select1_bits2": {"select_bits": 2}, "select4_bits2": {"select_rows": 4, "select_bits": 2},
                           "select8_bits2": {"select_rows": 8, "select_bits": 2}, "select1_bits4": {"select_bits": 4},
                           "means_w2": {"mean_warps": 2}, "means_h4": {"mean_heads": 4},
-                          "means_h12": {"mean_heads": 12}, "means_h4_w8": {"mean_heads": 4, "mean_warps": 8}}
+                          "means_h12": {"mean_heads": 12}, "means_h4_w8": {"mean_heads": 4, "mean_warps": 8},
+                          "select_full_radix": {"select_early_exit": False}}
         for label, cfg in coarse_configs.items():
             cases[f"coarse_{label}"] = (lambda c=cfg: coarse_packed(c))
             cases[f"vsa_random_gate_packed_{label}"] = (lambda c=cfg: _with_config(

@@ -46,6 +46,25 @@ def _tie_rows():
     return rows, expected
 
 
+def _prefix_rows():
+    """Score rows whose keys share long leading bits (one sign, a narrow range), rows of equal scores, -inf
+    scores and many ties, with the expected selection of each k: the k largest, ties to the lower index."""
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.cat([torch.rand(2, 45, generator=gen) * 1e-3 + 1.0,       # 1.0 to 1.001: ~20 common bits
+                      -torch.rand(2, 45, generator=gen) - 4.0,              # negatives, one exponent
+                      torch.randint(0, 3, (2, 45), generator=gen).float(),  # three values: ties at most k
+                      torch.full((1, 45), 0.25), torch.randn(1, 45, generator=gen)])
+    rows[-1, :30] = float("-inf")
+    expected = {}
+    for topk in (1, 7, 22, 44, 45):
+        sets = []
+        for row in rows.tolist():
+            order = sorted(range(len(row)), key=lambda i: (-row[i], i))  # stable: the lower index first
+            sets.append(set(order[:topk]))
+        expected[topk] = sets
+    return rows, expected
+
+
 @cuda
 def test_triton_tile_means_cuda():
     """GPU-only: the tile-means kernel equals the float32 mean of each packed tile's tokens, alone and in the
@@ -110,15 +129,25 @@ def test_triton_coarse_stage_cuda(tile, head_dim, sparsity):
 @cuda
 def test_triton_topk_ties_and_long_rows_cuda():
     """GPU-only: the radix selection on rows with ties at the k-th value (lower indices win), negatives,
-    signed zeros and a NaN (largest), at several rows per program; rows past MAX_SELECT_TILES go to
+    signed zeros and a NaN (largest), keys sharing long leading bits, equal rows and -inf, at several rows per
+    program, with and without the early exit; rows past MAX_SELECT_TILES go to
     torch.topk with the same sets."""
     from diffusers_sp.kernels import vsa_coarse_triton
     from diffusers_sp.kernels.vsa_coarse_triton import topk_tiles_triton
 
     rows, expected = _tie_rows()
     for per_program, bits in ((1, 2), (2, 2), (8, 2), (1, 1), (4, 4)):
-        got = topk_tiles_triton(rows.cuda(), 3, rows_per_program=per_program, bits_per_step=bits)
-        assert _as_sets(got) == expected, (per_program, bits)
+        for early_exit in (True, False):
+            got = topk_tiles_triton(rows.cuda(), 3, rows_per_program=per_program, bits_per_step=bits,
+                                    early_exit=early_exit)
+            assert _as_sets(got) == expected, (per_program, bits, early_exit)
+    rows, expected = _prefix_rows()
+    for topk, sets in expected.items():
+        for per_program, bits, early_exit in ((1, 1, True), (1, 1, False), (4, 2, True), (2, 4, True)):
+            got = topk_tiles_triton(rows.cuda(), topk, rows_per_program=per_program, bits_per_step=bits,
+                                    early_exit=early_exit)
+            assert _as_sets(got) == sets, (topk, per_program, bits, early_exit)
+            assert bool((got.diff(dim=-1) > 0).all())
     scores = torch.randn(2, 5, 300, 1000, generator=torch.Generator().manual_seed(3)).cuda()
     reference = _as_sets(scores.topk(37, dim=-1).indices)
     assert _as_sets(topk_tiles_triton(scores, 37)) == reference
@@ -134,9 +163,17 @@ _INTERPRETED = textwrap.dedent("""
 
     rows, expected = ROWS, EXPECTED
     for per_program, bits in ((1, 2), (2, 1), (8, 2), (1, 4)):
-        got = topk_tiles_triton(rows, 3, rows_per_program=per_program, bits_per_step=bits)
-        got = [set(r) for r in got.tolist()]
-        assert got == expected, (per_program, bits, got)
+        for early_exit in (True, False):
+            got = topk_tiles_triton(rows, 3, rows_per_program=per_program, bits_per_step=bits,
+                                    early_exit=early_exit)
+            got = [set(r) for r in got.tolist()]
+            assert got == expected, (per_program, bits, early_exit, got)
+    rows, expected = PREFIX_ROWS, PREFIX_EXPECTED
+    for topk, sets in expected.items():
+        for per_program, bits, early_exit in ((1, 1, True), (1, 1, False), (4, 2, True), (2, 4, True)):
+            got = topk_tiles_triton(rows, topk, rows_per_program=per_program, bits_per_step=bits,
+                                    early_exit=early_exit)
+            assert [set(r) for r in got.tolist()] == sets, (topk, per_program, bits, early_exit)
     scores = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(1))
     for topk, bits in ((1, 2), (9, 2), (50, 2), (9, 1), (9, 4)):
         got = topk_tiles_triton(scores, topk, rows_per_program=4, bits_per_step=bits)
@@ -160,12 +197,17 @@ _INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
 def test_coarse_kernels_in_triton_interpreter():
-    """The top-k kernel (ties, negatives, signed zeros, NaN; one and several rows per program; radix digits of
-    1, 2 and 4 bits; k of 1, some and all) and the three-tensor means kernel (one, two and three heads per
+    """The top-k kernel (ties, negatives, signed zeros, NaN, keys sharing long leading bits, equal rows, -inf;
+    one and several rows per program; radix digits of 1, 2 and 4 bits; with and without the early exit; k of 1,
+    some and all) and the three-tensor means kernel (one, two and three heads per
     program), run by Triton's interpreter on CPU tensors."""
     rows, expected = _tie_rows()
     literal = repr(rows.tolist()).replace("nan", "float('nan')")
-    script = _INTERPRETED.replace("ROWS", f"torch.tensor({literal})").replace("EXPECTED", repr(expected))
+    prefix_rows, prefix_expected = _prefix_rows()
+    prefix_literal = repr(prefix_rows.tolist()).replace("-inf", "float('-inf')")
+    script = (_INTERPRETED.replace("PREFIX_ROWS", f"torch.tensor({prefix_literal})")
+              .replace("PREFIX_EXPECTED", repr(prefix_expected))
+              .replace("ROWS", f"torch.tensor({literal})").replace("EXPECTED", repr(expected)))
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).resolve().parents[1])

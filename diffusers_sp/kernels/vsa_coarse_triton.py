@@ -18,7 +18,9 @@ launches:
 3. ``_topk_tiles_kernel``: per row of scores held in registers, the k-th largest score by a radix select on
    the scores' order-preserving integer keys (digits of one bit by default, MSB first: the classic selection
    by digits, as in ``torch.topk``'s CUDA radix select), then every score above it and as many equal to it as are still
-   wanted, written as a list of key-tile indices in column order.
+   wanted, written as a list of key-tile indices in column order. The select starts at the highest bit in
+   which the row's keys differ (the bits above are every key's) and stops once exactly k keys reach the
+   prefix (they are then the k largest): about 16 of the 32 one-bit steps on normal scores of 624 tiles.
 
 Selection runs on the unscaled products (a positive scale keeps their order). Ties at the k-th score go to
 the lower tile index (``torch.topk`` leaves their choice open). Rows longer than :data:`MAX_SELECT_TILES`
@@ -52,7 +54,7 @@ from .vsa_triton import _LOG2_E, _unit_last_stride
 #: against 0.46 / 0.38 at four rows and two bits, 0.64 / 0.54 at eight rows, 0.50 / 0.45 at one row and four
 #: bits (the torch path: 0.56 / 0.48; benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 4, "score_rows": 16, "score_cols": 64, "score_stages": 2,
-                  "select_rows": 1, "select_bits": 1}
+                  "select_rows": 1, "select_bits": 1, "select_early_exit": True}
 #: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
 MAX_SELECT_TILES = 8192
 
@@ -139,12 +141,12 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
         means[0], means[1], means[-1], scores, coarse, num_q, num_kv, scale * _LOG2_E, HEAD_DIM=D,
         ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, num_warps=4,
         num_stages=cfg["score_stages"])
-    return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"],
-                             bits_per_step=cfg["select_bits"]), coarse
+    return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"], bits_per_step=cfg["select_bits"],
+                             early_exit=cfg["select_early_exit"]), coarse
 
 
-def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 1,
-                      bits_per_step: int = 1) -> torch.Tensor:
+def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 1, bits_per_step: int = 1,
+                      early_exit: bool = True) -> torch.Tensor:
     """The ``topk`` largest entries of each row of ``scores``, as column indices (VSA's tile selection).
 
     Args:
@@ -154,6 +156,9 @@ def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int 
             a power of two each, at most 8).
         bits_per_step: Radix digits of 1, 2 or 4 bits: 32 / bits steps of ``2**bits - 1`` counts each (fewer
             counts in all at one bit, fewer steps at four).
+        early_exit: Whether to start each row at the highest bit in which its keys differ and to stop once
+            exactly ``topk`` keys reach the prefix (the same selection in fewer steps); False runs all the
+            digits (the benchmarks' comparison).
 
     Returns:
         int32 ``[..., topk]``: distinct column indices per row, increasing, of the ``topk`` largest scores;
@@ -174,7 +179,8 @@ def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int 
     num_rows = scores.numel() // num_kv
     warps = min(8, max(1, rows * row_len // 1024))
     _topk_tiles_kernel[(triton.cdiv(num_rows, rows),)](scores, selected, num_rows, num_kv, topk, ROWS=rows,
-                                                       ROW_LEN=row_len, BITS=bits_per_step, num_warps=warps)
+                                                       ROW_LEN=row_len, BITS=bits_per_step, EARLY_EXIT=early_exit,
+                                                       num_warps=warps)
     return selected
 
 
@@ -271,7 +277,7 @@ if triton is not None:
 
     @triton.jit
     def _topk_tiles_kernel(Scores, Sel, num_rows, num_kv, topk, ROWS: tl.constexpr, ROW_LEN: tl.constexpr,
-                           BITS: tl.constexpr):
+                           BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
         # One program per ROWS rows of scores [num_rows, num_kv]; writes Sel [num_rows, topk] (int32).
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, ROW_LEN)
@@ -282,15 +288,41 @@ if triton is not None:
         key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
         # Radix select of the k-th largest key, BITS bits per step from the top: the largest prefix that at
         # least topk keys reach (count(key >= prefix) >= topk holds throughout). The counts fall as the digit
-        # rises, so the last digit that still reaches topk wins.
+        # rises, so the last digit that still reaches topk wins. Padding keys are 0, below every candidate.
+        key = tl.where(ok, key, tl.zeros_like(key))
+        count = tl.sum(ok.to(tl.int32), 1)  # keys reaching the prefix: all valid ones at first
         prefix = tl.zeros([ROWS], dtype=tl.uint32)
-        for shift in tl.static_range(32 - BITS, -1, -BITS):
-            reached = prefix
+        shift = tl.program_id(0) * 0 + (32 - BITS)  # a tensor: the loop below carries it
+        if EARLY_EXIT:
+            # Every valid key of a row shares the bits above the highest one in which its largest and
+            # smallest key differ, so those are the prefix's from the start, and the select begins at the
+            # digit holding that bit (``top``, found by halving).
+            hi = tl.max(key, 1)
+            diff = hi ^ tl.min(tl.where(ok, key, tl.full(key.shape, 0xFFFFFFFF, tl.uint32)), 1)
+            top = tl.zeros([ROWS], dtype=tl.int32)
+            for half in tl.static_range(4, -1, -1):
+                upper = diff >> (1 << half)
+                top += tl.where(upper != 0, 1 << half, 0)
+                diff = tl.where(upper != 0, upper, diff)
+            low = top // BITS * BITS
+            kept = low + BITS  # bits from here up are common to the row's keys
+            prefix = tl.where(kept >= 32, prefix, hi & (tl.full([ROWS], 0xFFFFFFFF, tl.uint32)
+                                                        << tl.minimum(kept, 31).to(tl.uint32)))
+            shift = tl.max(tl.where(rows < num_rows, low, 0), 0)
+        # A row is done once exactly topk keys reach its prefix: they are the topk largest (a larger prefix
+        # keeps the same keys), so the loop ends when every row is; without EARLY_EXIT it runs all 32 bits.
+        done = (rows >= num_rows) | ((count == topk) & EARLY_EXIT)
+        while (shift >= 0) & (tl.min(done.to(tl.int32), 0) == 0):
+            reached, reached_count = prefix, count
             for digit in tl.static_range(1, 1 << BITS):
-                candidate = prefix | (digit << shift)
-                count = tl.sum((key >= candidate[:, None]).to(tl.int32), 1)
-                reached = tl.where(count >= topk, candidate, reached)
-            prefix = reached
+                candidate = prefix | (tl.full([ROWS], digit, tl.uint32) << shift.to(tl.uint32))
+                hits = tl.sum((key >= candidate[:, None]).to(tl.int32), 1)
+                reached = tl.where(hits >= topk, candidate, reached)
+                reached_count = tl.where(hits >= topk, hits, reached_count)
+            prefix, count = reached, reached_count
+            if EARLY_EXIT:
+                done = done | (count == topk)
+            shift -= BITS
         above = key > prefix[:, None]
         tied = (key == prefix[:, None]) & ok
         wanted = topk - tl.sum(above.to(tl.int32), 1)
