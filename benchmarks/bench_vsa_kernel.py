@@ -365,6 +365,12 @@ def main() -> int:
         cases["vsa_random_gate_packed_m64"] = lambda: _with_config(vsa_triton, {"block_m": 64},
                                                                    lambda: vsa_packed(with_gate=True))
     cases["coarse_stage_and_topk_unsorted"] = lambda: coarse_and_topk(sorted_topk=False)
+    # The Triton fine stage on the block list against walking every key block and query block (empty included).
+    cases["fine_stage_only_triton_packed_block_list"] = triton_packed_fine_stage_only
+    cases["fine_stage_only_triton_packed_every_block"] = lambda: vsa_triton.fine_stage_triton_packed(
+        *packed[:3], selected, **packed_stage_args, config={"skip_empty_blocks": False})
+    cases["vsa_random_gate_packed_every_block"] = lambda: _with_config(
+        vsa_triton, {"skip_empty_blocks": False}, lambda: vsa_packed(with_gate=True, backend="triton"))
     # The top-k kernel alone on this call's tile scores, with and without the common-prefix start and early exit.
     tile_scores = vsa._tile_means(qt, block_sizes) @ vsa._tile_means(kt, block_sizes).transpose(-1, -2)
     for early_exit in (True, False):
@@ -473,6 +479,10 @@ def main() -> int:
     packed_gate_out = vsa_packed(with_gate=True, backend="triton")
     packed_error = relative_error(packed_gate_out, vsa_end_to_end(with_gate=True).index_select(2, order))
     packed_dense_error = relative_error(vsa_packed(with_gate=False, sparsity=0.0), dense_out.index_select(2, order))
+    # The block list (empty key blocks and query blocks skipped) against walking every block: the same bits.
+    block_list_equal = torch.equal(_with_config(vsa_triton, {"skip_empty_blocks": False},
+                                                lambda: vsa_packed(with_gate=True, backend="triton")),
+                                   vsa_packed(with_gate=True, backend="triton"))
     # The TMA variant against the default kernel on the same selection.
     tma_error = relative_error(triton_fine_stage_only(), triton_fine_stage_only({"tma": False}))
     gluon_error = gluon_call_error = None
@@ -494,7 +504,7 @@ def main() -> int:
     same_rows = (selected_kernel.long().sort(-1).values == selected_torch.sort(-1).values).all(-1)
     selection_mismatch = 1.0 - same_rows.float().mean().item()
     coarse_error = relative_error(coarse_kernel, coarse_torch)
-    accuracy_ok = all(e <= ACCURACY_LIMIT for e in (error, backends_error, tma_error, packed_error, packed_dense_error,
+    accuracy_ok = block_list_equal and all(e <= ACCURACY_LIMIT for e in (error, backends_error, tma_error, packed_error, packed_dense_error,
                                                      fa4_error, fa4_dense_error, coarse_error,
                                                      fa4_sparse0_error, gluon_error, gluon_call_error)
                        if e is not None)
@@ -514,6 +524,7 @@ def main() -> int:
                      "relative_error": error, "triton_vs_flex_relative_error": backends_error,
                      "triton_tma_vs_triton_relative_error": tma_error,
                      "packed_vs_padded_with_gate_relative_error": packed_error,
+                     "block_list_equals_every_block": block_list_equal,
                      "packed_sparsity0_vs_dense_relative_error": packed_dense_error,
                      "coarse_kernels_vs_torch_relative_error": coarse_error,
                      "coarse_kernels_vs_torch_selection_rows_differing": selection_mismatch,
@@ -542,7 +553,8 @@ def main() -> int:
         print(f"  profile: {row['cuda_ms']:8.3f} ms x{row['calls']:<3d} {row['kernel'][:90]}")
     print(f"packed vs padded (gate) {packed_error:.2e}, packed sparsity 0 vs dense {packed_dense_error:.2e}, coarse "
           f"kernels vs torch {coarse_error:.2e} (rows selecting other tiles: {selection_mismatch:.2e})")
-    print(f"Gluon fine stage vs Triton {gluon_error}, whole call with it vs Triton {gluon_call_error}")
+    print(f"Gluon fine stage vs Triton {gluon_error}, whole call with it vs Triton {gluon_call_error}; block list "
+          f"equals walking every block: {block_list_equal}")
     print(f"accuracy: sparsity 0 vs dense relative error {error:.2e}, triton vs flex at sparsity "
           f"{args.sparsity} {backends_error:.2e}, TMA vs plain Triton {tma_error:.2e}, FA4 vs Triton {fa4_error}, "
           f"dense FA4 vs SDPA {fa4_dense_error}, FA4 VSA sparsity 0 vs dense {fa4_sparse0_error} (limit {ACCURACY_LIMIT:g}): "

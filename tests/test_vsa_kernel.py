@@ -1,7 +1,13 @@
 """Tests of the VSA kernel module (diffusers_sp.kernels.vsa): tiling, top-k, and the attention
 against dense SDPA and against an independent loop implementation of arXiv 2505.13389's VSA."""
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -426,7 +432,8 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
     """GPU-only: the packed Triton path (tile means kernel, fine stage with the gate in its epilogue) on
     tile-ordered tokens held as the processor holds them (``[B, S, H, D]`` projections seen as
     ``[B, H, S, D]``, or the token-major ``[S, B, H, D]`` buffers of the collectives) equals the reference
-    backend, for all query tiles and for a range of them, with and without a gate, TMA and ordinary loads."""
+    backend, for all query tiles and for a range of them, with and without a gate, TMA and ordinary loads; and
+    walking every key block and query block (empty ones included) gives the same bits as skipping the empty."""
     from unittest import mock
 
     from diffusers_sp.kernels import vsa_triton
@@ -452,12 +459,77 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
             gp = None if g is None else held(_packed(g, layout, start, end))
             with mock.patch.object(vsa_triton, "DEFAULT_CONFIG", dict(vsa_triton.DEFAULT_CONFIG, **(config or {}))):
                 fast = video_sparse_attention_packed(qp, kp, vp, gate=gp, backend="triton", **args)
+            every_block = dict(vsa_triton.DEFAULT_CONFIG, **(config or {}), skip_empty_blocks=False)
+            with mock.patch.object(vsa_triton, "DEFAULT_CONFIG", every_block):
+                walked_all = video_sparse_attention_packed(qp, kp, vp, gate=gp, backend="triton", **args)
+            assert torch.equal(fast, walked_all), "skipping the empty key blocks and query blocks moved a bit"
             reference = video_sparse_attention_packed(qp.float(), kp.float(), vp.float(), backend="reference",
                                                       gate=None if gp is None else gp.float(), **args)
             assert fast.dtype == torch.bfloat16 and fast.shape == qp.shape
             torch.testing.assert_close(fast.float(), reference, rtol=2e-2, atol=2e-2)
     if tma:
         assert vsa_triton.tma_applies(qp, kp, vp), "the TMA loads do not apply on this GPU"
+
+
+_BLOCK_LIST_CHECK = textwrap.dedent("""
+    import torch
+    from diffusers_sp.kernels.vsa_triton import key_block_list
+
+    def expected(selected, offsets, sizes, tile_volume, skip_empty):
+        block = min(tile_volume, 64)
+        rows = []
+        for chosen in selected.reshape(-1, selected.shape[-1]).tolist():
+            row = []
+            for tile in chosen:
+                for part in range(tile_volume // block):
+                    keys = int(sizes[tile]) - part * block
+                    if keys > 0 or not skip_empty:
+                        row.append((int(offsets[tile]) + part * block, min(keys, block)))
+            rows.append(row)
+        return rows
+
+    gen = torch.Generator().manual_seed(4)
+    for tile_volume, num_tiles, topk in ((64, 9, 4), (128, 11, 5), (256, 7, 3), (256, 30, 17)):
+        sizes = torch.randint(1, tile_volume + 1, (num_tiles,), generator=gen, dtype=torch.int32)
+        sizes[::3] = tile_volume
+        offsets = (torch.cumsum(sizes, 0) - sizes).to(torch.int32)
+        selected = torch.stack([torch.randperm(num_tiles, generator=gen)[:topk] for _ in range(2 * 3 * 5)])
+        for dtype in (torch.int64, torch.int32):
+            sel = selected.view(2, 3, 5, topk).to(DEVICE, dtype)
+            for skip_empty in (True, False):
+                blocks, counts = key_block_list(sel, offsets.to(DEVICE), sizes.to(DEVICE), tile_volume,
+                                                skip_empty=skip_empty)
+                want = expected(selected, offsets, sizes, tile_volume, skip_empty)
+                assert blocks.dtype == counts.dtype == torch.int32 and counts.shape == (2, 3, 5)
+                got_counts = counts.flatten().tolist()
+                assert got_counts == [len(r) for r in want], (tile_volume, skip_empty)
+                flat = blocks.view(-1, blocks.shape[-2], 2).cpu()
+                for row, n, w in zip(flat, got_counts, want):
+                    assert [tuple(e) for e in row[:n].tolist()] == w, (tile_volume, skip_empty)
+    print("block lists ok")
+""")
+
+
+def _block_list_expected_and_got(device):
+    result = subprocess.run([sys.executable, "-c", _BLOCK_LIST_CHECK.replace("DEVICE", repr(device))],
+                            env=dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0"),
+                            capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0 and "block lists ok" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+def test_key_block_list_in_triton_interpreter():
+    """The fine stage's block list (vsa_triton.key_block_list) equals a loop's: the selected tiles in their
+    order, each cut into blocks of min(V, 64) rows, only those holding a key (or all of them, skip_empty=False),
+    with each block's first row and key count; at 64-, 128- and 256-slot tiles, int64 and int32 selections;
+    run by Triton's interpreter on CPU tensors."""
+    _block_list_expected_and_got("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the Triton kernels need CUDA and Triton")
+def test_key_block_list_cuda():
+    """GPU-only: the block list as in the interpreter test, compiled."""
+    _block_list_expected_and_got("cuda")
 
 
 def test_fine_stage_launch_blocks():

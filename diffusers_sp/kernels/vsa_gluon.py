@@ -6,9 +6,11 @@ tile selected. :mod:`~diffusers_sp.kernels.vsa_triton` runs it as a Triton kerne
 chooses; here the schedule is written out, as FlashAttention-3 does on Hopper (J. Shah et al., arXiv
 2407.08608):
 
-* one producer warp walks the query tile's list of selected key tiles, in key blocks of 64 rows, and loads
-  each key and value block into a ring of shared-memory stages with the tensor-memory accelerator (TMA),
-  signalling an mbarrier per block; each consumer frees a stage by arriving on its "empty" barrier;
+* one producer warp walks the query tile's block list (:func:`~diffusers_sp.kernels.vsa_triton.key_block_list`:
+  the key blocks of 64 rows of its selected tiles that hold a key; a program past a partial query tile's end
+  walks one block only) and loads each key and value block into a ring of shared-memory stages with the
+  tensor-memory accelerator (TMA), signalling an mbarrier per block; each consumer frees a stage by arriving on
+  its "empty" barrier;
 * a consumer warpgroup per 64 query rows issues the scores product of the next key block (``wgmma``,
   asynchronous) before it runs the softmax of the current block, so the exponentials overlap the tensor cores,
   then issues the value product with the probabilities taken from registers, and stores its rows with the
@@ -43,7 +45,7 @@ except ImportError:  # no Triton, or one without Gluon
     gluon = None
 
 from .fa4 import device_capability  # a constant under torch.compile
-from .vsa_triton import _LOG2_E, _output_like, _row_view, _unit_last_stride, tma_applies
+from .vsa_triton import _LOG2_E, _output_like, _row_view, _unit_last_stride, key_block_list, tma_applies
 from .vsa_triton import _launch as _launch_triton
 
 #: Key rows of a block (the ring's stage) and query rows of one consumer warpgroup (``wgmma``'s 64-row tile).
@@ -144,7 +146,7 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     consumers = 1 if tile_volume == BLOCK else 2
     B, H, _, D = q.shape
     out = _output_like(q)
-    selected = selected.contiguous()
+    blocks, counts = key_block_list(selected, kv_offsets, kv_sizes, tile_volume)
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl_dtype)
     operands = []
@@ -157,8 +159,8 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     coarse_args = (coarse, *coarse.stride()[:3]) if has_gate else (out, 0, 0, 0)
     grid = (q_offsets.shape[0] * (tile_volume // (BLOCK * consumers)), B * H)
     _vsa_fine_gluon_kernel[grid](
-        *operands, out, *out.stride()[:3], *gate_args, *coarse_args, selected, *selected.stride(),
-        q_offsets, q_sizes, kv_offsets, kv_sizes, H, selected.shape[-1], scale * _LOG2_E,
+        *operands, out, *out.stride()[:3], *gate_args, *coarse_args, blocks, counts, blocks.shape[-2],
+        q_offsets, q_sizes, H, q_offsets.shape[0], scale * _LOG2_E,
         HEAD_DIM=D, BLOCK=BLOCK, TILE_VOLUME=tile_volume, CONSUMERS=consumers, STAGES=stages,
         CONSUMER_REGISTERS=max_registers // 8 * 8, HAS_GATE=has_gate, OVERLAP_VALUES=overlap_values, num_warps=4,
         maxnreg=max_registers)
@@ -187,16 +189,15 @@ def _(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, 
 if gluon is not None:
 
     @gluon.jit
-    def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk, KOff,
-                        k_row0, k_col, v_row0, v_col, entries, PARTS: gl.constexpr, STAGES: gl.constexpr):
-        # The producer warp: key block i (block i % PARTS of selected tile i // PARTS) into key stage i % STAGES
+    def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_base,
+                        k_row0, k_col, v_row0, v_col, entries, STAGES: gl.constexpr):
+        # The producer warp: key block i of the block list (vsa_triton.key_block_list) into key stage i % STAGES
         # once every consumer freed it, then value block i likewise (key stages free earlier: a key block is done
         # with once its scores are).
-        BLOCK: gl.constexpr = k_desc.block_type.shape[0]
         for i in range(entries):
             stage = i % STAGES
             parity = (i // STAGES & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads go at once
-            start = gl.load(KOff + gl.load(sel_base + (i // PARTS) * s_sk)) + (i % PARTS) * BLOCK
+            start = gl.load(block_base + i * 2)
             mbarrier.wait(k_empty.index(stage), parity)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row0 + start, k_col], k_ready.index(stage),
@@ -207,15 +208,14 @@ if gluon is not None:
                                             v_smem.index(stage))
 
     @gluon.jit
-    def _key_count(sel_base, s_sk, KSizes, i, PARTS: gl.constexpr, BLOCK: gl.constexpr):
-        # Keys of block i that count: those of its selected tile from the block's first row on (<= 0: none).
-        return gl.load(KSizes + gl.load(sel_base + (i // PARTS) * s_sk)) - (i % PARTS) * BLOCK
+    def _key_count(block_base, i):
+        # Keys of block i of the list that count (the rest of the block is past its tile's end).
+        return gl.load(block_base + i * 2 + 1)
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, key_count, scale_log2, cols):
         # Online softmax of one block of unscaled scores: masked key rows -inf, the scale inside exp2's argument.
-        # A block with no key that counts (past a partial tile's end) leaves the state as it is: the first block
-        # of every selected tile holds at least one key, so the running maximum is finite from block 0 on.
+        # The list holds only blocks with a key that counts, and its first block's row maximum is finite.
         s = gl.where(gl.expand_dims(cols < key_count, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
         p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
@@ -224,15 +224,15 @@ if gluon is not None:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _compute_partition(q_smem, ring, work, stores, first_token, row_count, PARTS: gl.constexpr,
-                           BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+    def _compute_partition(q_smem, ring, work, stores, first_token, row_count, BLOCK: gl.constexpr,
+                           HEAD_DIM: gl.constexpr,
                            STAGES: gl.constexpr, HAS_GATE: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
         # A consumer warpgroup on 64 query rows: the scores of block i + 1 on the tensor cores while the softmax of
         # block i runs (FlashAttention-3's overlap within a warpgroup), then the value product of block i, waited
         # for at once or (OVERLAP_VALUES) under the next block's softmax; then its rows' epilogue and store.
         # out_ptr, gate_ptr: element [token 0, dim 0] of this (batch, head); coarse_ptr: this query tile's row.
         k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = ring
-        sel_base, s_sk, KSizes, entries, scale_log2 = work
+        block_base, entries, scale_log2 = work
         out_ptr, s_os, gate_ptr, s_gs, coarse_ptr = stores
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK, 16])
@@ -250,7 +250,7 @@ if gluon is not None:
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        key_count = _key_count(sel_base, s_sk, KSizes, 0, PARTS, BLOCK)
+        key_count = _key_count(block_base, 0)
         if OVERLAP_VALUES:  # the accumulator is carried through the loop as an in-flight product's result
             acc = warpgroup_mma_init(acc)
         for i in range(entries - 1):
@@ -272,7 +272,7 @@ if gluon is not None:
                 s, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
                 mbarrier.arrive(v_empty.index(stage), count=1)
             mbarrier.arrive(k_empty.index(nxt), count=1)
-            key_count = _key_count(sel_base, s_sk, KSizes, i + 1, PARTS, BLOCK)
+            key_count = _key_count(block_base, i + 1)
         last = (entries - 1) % STAGES
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, key_count, scale_log2, cols)
         if OVERLAP_VALUES:
@@ -301,7 +301,7 @@ if gluon is not None:
     def _vsa_fine_gluon_kernel(q_desc, q_rb, q_rh, q_cb, q_ch, k_desc, k_rb, k_rh, k_cb, k_ch,
                                v_desc, v_rb, v_rh, v_cb, v_ch, Out, s_ob, s_oh, s_os,
                                Gate, s_gb, s_gh, s_gs, Coarse, s_cb, s_ch, s_cn,
-                               Sel, s_sb, s_sh, s_sn, s_sk, QOff, QSizes, KOff, KSizes, num_heads, topk, scale_log2,
+                               Blocks, Counts, max_entries, QOff, QSizes, num_heads, num_q_tiles, scale_log2,
                                HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, TILE_VOLUME: gl.constexpr,
                                CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
                                HAS_GATE: gl.constexpr, OVERLAP_VALUES: gl.constexpr):
@@ -309,7 +309,6 @@ if gluon is not None:
         # columns from (b * cb + h * ch), as in vsa_triton's kernel. A program: (query tile, block of 64 *
         # CONSUMERS rows of it) x (batch, head).
         Q_PARTS: gl.constexpr = TILE_VOLUME // (BLOCK * CONSUMERS)
-        PARTS: gl.constexpr = TILE_VOLUME // BLOCK
         q_tile = gl.program_id(0) // Q_PARTS
         q_row = gl.program_id(0) % Q_PARTS * (BLOCK * CONSUMERS)
         bh = gl.program_id(1)
@@ -317,8 +316,11 @@ if gluon is not None:
         h = bh % num_heads
         first_token = gl.load(QOff + q_tile) + q_row
         row_count = gl.load(QSizes + q_tile) - q_row
-        sel_base = Sel + b.to(gl.int64) * s_sb + h.to(gl.int64) * s_sh + q_tile.to(gl.int64) * s_sn
-        entries = topk * PARTS
+        list_row = bh.to(gl.int64) * num_q_tiles + q_tile
+        block_base = Blocks + list_row * max_entries * 2
+        # A program without query rows (past a partial tile's end) walks one block, not none: the consumers'
+        # loop is written for at least one.
+        entries = 1 + (row_count > 0).to(gl.int32) * (gl.load(Counts + list_row) - 1)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -343,20 +345,20 @@ if gluon is not None:
         gate_ptr = Gate + b.to(gl.int64) * s_gb + h.to(gl.int64) * s_gh
         coarse_ptr = Coarse + b.to(gl.int64) * s_cb + h.to(gl.int64) * s_ch + q_tile.to(gl.int64) * s_cn
         ring = (k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty)
-        work = (sel_base, s_sk, KSizes, entries, scale_log2)
+        work = (block_base, entries, scale_log2)
         stores = (out_ptr, s_os, gate_ptr, s_gs, coarse_ptr)
-        producer_args = (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, sel_base, s_sk, KOff,
+        producer_args = (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_base,
                          b * k_rb + h * k_rh, b * k_cb + h * k_ch, b * v_rb + h * v_rh, b * v_cb + h * v_ch, entries,
-                         PARTS, STAGES)
+                         STAGES)
         if CONSUMERS == 1:
             gl.warp_specialize([
-                (_compute_partition, (q_smem.index(0), ring, work, stores, first_token, row_count, PARTS, BLOCK,
-                                      HEAD_DIM, STAGES, HAS_GATE, OVERLAP_VALUES)),
+                (_compute_partition, (q_smem.index(0), ring, work, stores, first_token, row_count, BLOCK, HEAD_DIM,
+                                      STAGES, HAS_GATE, OVERLAP_VALUES)),
                 (_load_partition, producer_args)], [1], [24])
         else:  # the second consumer's 64 rows in a worker partition of four warps
             gl.warp_specialize([
-                (_compute_partition, (q_smem.index(0), ring, work, stores, first_token, row_count, PARTS, BLOCK,
-                                      HEAD_DIM, STAGES, HAS_GATE, OVERLAP_VALUES)),
+                (_compute_partition, (q_smem.index(0), ring, work, stores, first_token, row_count, BLOCK, HEAD_DIM,
+                                      STAGES, HAS_GATE, OVERLAP_VALUES)),
                 (_compute_partition, (q_smem.index(1), ring, work, stores, first_token + BLOCK, row_count - BLOCK,
-                                      PARTS, BLOCK, HEAD_DIM, STAGES, HAS_GATE, OVERLAP_VALUES)),
+                                      BLOCK, HEAD_DIM, STAGES, HAS_GATE, OVERLAP_VALUES)),
                 (_load_partition, producer_args)], [4, 1], [CONSUMER_REGISTERS, 24])

@@ -17,8 +17,12 @@ Fine stage: one program per (batch, head, query tile, row block of up to 128 tok
 once, then walks the selected key tiles, each in column blocks of 64 (tiles of more than 64 slots: whole
 128-slot key tiles per step ran the fine stage in 7.3 ms against 2.8 ms in blocks, H100,
 benchmarks/RESULTS.md; at 128 and 256 slots a program takes 128 query rows, which share every key block it
-loads), keeping the running row maximum, row sum and accumulator in float32 registers. Key rows past a tile's
-size are masked to ``-inf``; the list is read straight from the top-k indices, so no block mask is built. On
+loads), keeping the running row maximum, row sum and accumulator in float32 registers. It walks a block list
+(:func:`key_block_list`, one small kernel over the top-k indices): the column blocks of the selected tiles that
+hold a key, so the blocks past a partial tile's end are not loaded or multiplied, and programs past a partial
+query tile's end walk none (at the 256-slot tiling of the Wan 1.3B latent, 3.08 of every 4 key blocks hold a
+key and 1.71 of every 2 query blocks a query: two thirds of the work). Key rows past a tile's size within a
+block are masked to ``-inf``. On
 Hopper and newer the query, key and value blocks are loaded by the tensor-memory accelerator (TMA) through
 Triton's host tensor descriptors (2.45 ms against 3.07 ms with ordinary loads, H200, Wan 1.3B shape);
 elsewhere by ordinary masked loads. With a gate, the epilogue adds ``coarse_out * gate`` to the normalised
@@ -67,7 +71,10 @@ _BLOCK_M = 128
 #: 2.48 / 2.51 ms (4x8x8 / 4x4x8) against 2.55 / 2.64 at 64 rows, H100, same run; on eight warps (two
 #: warpgroups, no spills) 128 rows were slower than 64 (benchmarks/RESULTS.md). ``num_stages=None``: 3 at 128
 #: rows with TMA.
-DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False, "block_m": None}
+#: ``skip_empty_blocks``: walk only the key blocks that hold a key and skip programs without query rows (False:
+#: every block of every selected tile and every program, as before the block list; for benchmarks).
+DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False, "block_m": None,
+                  "skip_empty_blocks": True}
 
 
 def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int | None = None) -> bool:
@@ -243,6 +250,38 @@ def launch_blocks(tile_volume: int, use_tma: bool, config: dict | None = None) -
     return block_m, min(tile_volume, _BLOCK), stages
 
 
+def key_block_list(selected: torch.Tensor, kv_offsets: torch.Tensor, kv_sizes: torch.Tensor, tile_volume: int, *,
+                   skip_empty: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key blocks each query tile's fine stage walks: the selected key tiles, in ``selected``'s order, each
+    cut into blocks of ``min(V, 64)`` rows, and of those only the ones that hold a key (a partial tile of the
+    packed layout ends early, so its last blocks hold none).
+
+    Args:
+        selected: Integer ``[B, H, Nq, topk]`` key-tile indices in ``[0, Nk)``, CUDA.
+        kv_offsets, kv_sizes: int32 ``[Nk]``: where each key tile starts and its token count.
+        tile_volume: ``V``.
+        skip_empty: False lists every block of every selected tile (empty ones with a key count <= 0), the
+            walk before the list existed; for benchmarks.
+
+    Returns:
+        ``(blocks, counts)``: int32 ``[B, H, Nq, topk * P, 2]`` (P blocks a tile) whose entry ``e < counts[b, h,
+        n]`` is ``(first key row, keys that count)`` of the e-th block walked, entries past the count unset; int32
+        ``[B, H, Nq]`` counts (at least 1: a tile's first block holds at least one key).
+    """
+    block_n = min(tile_volume, _BLOCK)
+    parts = tile_volume // block_n
+    selected = selected.contiguous()
+    B, H, num_q_tiles, topk = selected.shape
+    blocks = torch.empty((B, H, num_q_tiles, topk * parts, 2), device=selected.device, dtype=torch.int32)
+    counts = torch.empty((B, H, num_q_tiles), device=selected.device, dtype=torch.int32)
+    num_rows = B * H * num_q_tiles
+    rows = max(1, min(16, 1024 // triton.next_power_of_2(topk)))
+    _key_blocks_kernel[(triton.cdiv(num_rows, rows),)](
+        selected, kv_offsets, kv_sizes, blocks, counts, num_rows, topk, ROWS=rows,
+        TOPK=triton.next_power_of_2(topk), BLOCK_N=block_n, PARTS=parts, SKIP_EMPTY=skip_empty)
+    return blocks, counts
+
+
 def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse, config):
     """Launches the fine-stage kernel (see :func:`fine_stage_triton_packed`)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
@@ -250,7 +289,7 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     B, H, _, D = q.shape
     num_q_tiles = q_offsets.shape[0]
     out = _output_like(q)
-    selected = selected.contiguous()
+    blocks, counts = key_block_list(selected, kv_offsets, kv_sizes, tile_volume, skip_empty=cfg["skip_empty_blocks"])
     use_tma = cfg["tma"] and tma_applies(q, k, v)
     block_m, block_n, stages = launch_blocks(tile_volume, use_tma, cfg)
     operands = []
@@ -266,10 +305,11 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     coarse_args = (coarse, *coarse.stride()[:3]) if has_gate else (out, 0, 0, 0)
     grid = (num_q_tiles * (tile_volume // block_m), B * H)
     _vsa_fine_kernel[grid](
-        *operands, out, *out.stride()[:3], *gate_args, *coarse_args, selected, *selected.stride(),
-        q_offsets, q_sizes, kv_offsets, kv_sizes, H, selected.shape[-1], scale * _LOG2_E,  # the kernel uses exp2
+        *operands, out, *out.stride()[:3], *gate_args, *coarse_args, blocks, counts, blocks.shape[-2],
+        q_offsets, q_sizes, H, num_q_tiles, scale * _LOG2_E,  # the kernel uses exp2
         TILE=tile_volume, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma, HAS_GATE=has_gate,
-        WARP_SPECIALIZE=cfg["warp_specialize"], num_warps=cfg["num_warps"], num_stages=stages)
+        SKIP_EMPTY=cfg["skip_empty_blocks"], WARP_SPECIALIZE=cfg["warp_specialize"], num_warps=cfg["num_warps"],
+        num_stages=stages)
     return out
 
 
@@ -290,13 +330,33 @@ def _(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, 
 if triton is not None:
 
     @triton.jit
-    def _key_block(K, V, KOff, KSizes, sel_base, s_sk, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, rows, dims,
-                   PARTS: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-        # Key and value rows of entry `entry` of the (selected tile, column block) list, and which of them count.
-        part = entry % PARTS * BLOCK_N
-        kv_tile = tl.load(sel_base + (entry // PARTS) * s_sk)
-        kv_start = tl.load(KOff + kv_tile) + part
-        key_ok = part + rows < tl.load(KSizes + kv_tile)
+    def _key_blocks_kernel(Sel, KOff, KSizes, Blocks, Counts, num_rows, topk, ROWS: tl.constexpr,
+                           TOPK: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+        # One program per ROWS rows (query tiles) of Sel [num_rows, topk]: each selected tile's blocks, in order,
+        # at the running count of the blocks before them (see key_block_list).
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, TOPK)
+        ok = (rows < num_rows)[:, None] & (cols < topk)[None, :]
+        tile = tl.load(Sel + rows.to(tl.int64)[:, None] * topk + cols[None, :], mask=ok, other=0)
+        size = tl.load(KSizes + tile, mask=ok, other=0)
+        start = tl.load(KOff + tile, mask=ok, other=0)
+        if SKIP_EMPTY:
+            walked = (size + BLOCK_N - 1) // BLOCK_N
+        else:
+            walked = tl.where(ok, PARTS, 0)
+        first = tl.cumsum(walked, 1) - walked
+        entry0 = rows.to(tl.int64)[:, None] * (topk * PARTS) + first
+        for part in tl.static_range(PARTS):
+            listed = ok & (part < walked)
+            tl.store(Blocks + (entry0 + part) * 2, start + part * BLOCK_N, mask=listed)
+            tl.store(Blocks + (entry0 + part) * 2 + 1, tl.minimum(size - part * BLOCK_N, BLOCK_N), mask=listed)
+        tl.store(Counts + rows, tl.sum(walked, 1), mask=rows < num_rows)
+
+    @triton.jit
+    def _key_block(K, V, block_base, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, rows, dims, TMA: tl.constexpr):
+        # Key and value rows of entry `entry` of the query tile's block list, and which of them count.
+        kv_start = tl.load(block_base + entry * 2)
+        key_ok = rows < tl.load(block_base + entry * 2 + 1)
         if TMA:
             k = K.load([k_row0 + kv_start, k_col.to(tl.int32)])
             vals = V.load([v_row0 + kv_start, v_col.to(tl.int32)])
@@ -311,14 +371,13 @@ if triton is not None:
     def _vsa_fine_kernel(Q, q_rb, q_rh, q_cb, q_ch, s_q, K, k_rb, k_rh, k_cb, k_ch, s_k,
                          V, v_rb, v_rh, v_cb, v_ch, s_v, Out, s_ob, s_oh, s_os,
                          Gate, s_gb, s_gh, s_gs, Coarse, s_cb, s_ch, s_cn,
-                         Sel, s_sb, s_sh, s_sn, s_sk, QOff, QSizes, KOff, KSizes,
-                         num_heads, topk, scale_log2,
+                         Blocks, Counts, max_entries, QOff, QSizes, num_heads, num_q_tiles, scale_log2,
                          TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         TMA: tl.constexpr, HAS_GATE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                         TMA: tl.constexpr, HAS_GATE: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+                         WARP_SPECIALIZE: tl.constexpr):
         # Q, K, V: TMA descriptors of 2-D row views (TMA) or base pointers; element [b, h, s, :] of each is
         # row (b * rb + h * rh + s), columns from (b * cb + h * ch), rows s_* elements apart.
         Q_PARTS: tl.constexpr = TILE // BLOCK_M
-        PARTS: tl.constexpr = TILE // BLOCK_N
         q_tile = tl.program_id(0) // Q_PARTS
         q_row = tl.program_id(0) % Q_PARTS * BLOCK_M
         bh = tl.program_id(1)
@@ -339,17 +398,22 @@ if triton is not None:
         k_col = (b * k_cb + h * k_ch).to(tl.int64)
         v_row0 = b * v_rb + h * v_rh
         v_col = (b * v_cb + h * v_ch).to(tl.int64)
-        sel_base = Sel + b.to(tl.int64) * s_sb + h.to(tl.int64) * s_sh + q_tile.to(tl.int64) * s_sn
+        list_row = bh.to(tl.int64) * num_q_tiles + q_tile
+        block_base = Blocks + list_row * max_entries * 2
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        # One loop over the (selected tile, column block) entries, so that the pipeliner keeps one entry's loads
-        # per stage. A column block of masked rows only (a partial tile's) adds nothing: its scores are -inf and
-        # the running maximum is finite from the first entry on (every tile has at least one token).
-        entries = topk * PARTS
+        # One loop over the block list (key_block_list: the blocks holding a key, tile after tile), so that the
+        # pipeliner keeps one entry's loads per stage. A program without query rows (past a partial tile's end)
+        # walks none. Skipping changes no bit of the output: an empty block's scores are -inf, so its step
+        # rescales by exactly 1 and adds 0 (the running maximum is finite from the first entry on, every tile's
+        # first block holding a key).
+        entries = tl.load(Counts + list_row)
+        if SKIP_EMPTY:
+            entries = tl.where(q_row < q_count, entries, 0)
         for entry in tl.range(0, entries, warp_specialize=WARP_SPECIALIZE):
-            k, vals, key_ok = _key_block(K, V, KOff, KSizes, sel_base, s_sk, entry, k_row0, k_col, v_row0, v_col,
-                                         s_k, s_v, key_rows, dims, PARTS, BLOCK_N, TMA)
+            k, vals, key_ok = _key_block(K, V, block_base, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, key_rows,
+                                         dims, TMA)
             # Scores stay unscaled: the scale goes into exp2's argument as one fused multiply-add per score.
             s = tl.where(key_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
