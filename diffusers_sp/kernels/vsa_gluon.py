@@ -45,7 +45,8 @@ except ImportError:  # no Triton, or one without Gluon
     gluon = None
 
 from .fa4 import device_capability  # a constant under torch.compile
-from .vsa_triton import _LOG2_E, _output_like, _row_view, _unit_last_stride, key_block_list, tma_applies
+from .vsa_triton import (_LOG2_E, _output_like, _unit_last_stride, epilogue_args, key_block_list, row_table,
+                         tma_applies)
 from .vsa_triton import _launch as _launch_triton
 
 #: Key rows of a block (the ring's stage) and query rows of one consumer warpgroup (``wgmma``'s 64-row tile).
@@ -151,18 +152,14 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl_dtype)
     operands = []
     for t in (q, k, v):
-        rows, cols, coeffs = _row_view(t)
-        table = t.as_strided((rows, cols), (t.stride(2), 1))
-        operands += [TensorDescriptor(table, [rows, cols], [t.stride(2), 1], [BLOCK, D], layout), *coeffs]
-    has_gate = gate is not None
-    gate_args = (gate, *gate.stride()[:3]) if has_gate else (out, 0, 0, 0)
-    coarse_args = (coarse, *coarse.stride()[:3]) if has_gate else (out, 0, 0, 0)
+        table, coeffs = row_table(t)
+        operands += [TensorDescriptor(table, list(table.shape), list(table.stride()), [BLOCK, D], layout), *coeffs]
     grid = (q_offsets.shape[0] * (tile_volume // (BLOCK * consumers)), B * H)
     _vsa_fine_gluon_kernel[grid](
-        *operands, out, *out.stride()[:3], *gate_args, *coarse_args, blocks, counts, blocks.shape[-2],
+        *operands, out, *out.stride()[:3], *epilogue_args(gate, coarse, out), blocks, counts, blocks.shape[-2],
         q_offsets, q_sizes, H, q_offsets.shape[0], scale * _LOG2_E,
         HEAD_DIM=D, BLOCK=BLOCK, TILE_VOLUME=tile_volume, CONSUMERS=consumers, STAGES=stages,
-        CONSUMER_REGISTERS=max_registers // 8 * 8, HAS_GATE=has_gate, OVERLAP_VALUES=overlap_values, num_warps=4,
+        CONSUMER_REGISTERS=max_registers // 8 * 8, HAS_GATE=gate is not None, OVERLAP_VALUES=overlap_values, num_warps=4,
         maxnreg=max_registers)
     return out
 

@@ -129,6 +129,21 @@ def _row_view(t: torch.Tensor):
     return rows, cols, (coeffs[0], coeffs[2], coeffs[1], coeffs[3])
 
 
+def row_table(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """``t`` (``[B, H, S, D]``, :func:`_row_view` not None) as the 2-D ``[rows, cols]`` table a TMA descriptor
+    reads (row stride ``t.stride(2)``), with the ``(row_b, row_h, col_b, col_h)`` coefficients of its rows."""
+    rows, cols, coeffs = _row_view(t)
+    return t.as_strided((rows, cols), (t.stride(2), 1)), coeffs
+
+
+def epilogue_args(gate: torch.Tensor | None, coarse: torch.Tensor | None, out: torch.Tensor) -> tuple:
+    """The fine-stage kernels' gate and coarse-output arguments: each tensor and its first three strides, or
+    ``out`` with zero strides where there is no gate (the kernels read neither then)."""
+    if gate is None:
+        return (out, 0, 0, 0) * 2
+    return (gate, *gate.stride()[:3], coarse, *coarse.stride()[:3])
+
+
 def tma_applies(*tensors: torch.Tensor) -> bool:
     """Whether the tensor-descriptor (TMA) loads can serve these packed ``[B, H, S, D]`` tensors: Triton's
     host tensor descriptors, a GPU of compute capability 9.0 or newer, and for each tensor a 2-D row view
@@ -295,19 +310,16 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     operands = []
     for t, block in ((q, block_m), (k, block_n), (v, block_n)):
         if use_tma:
-            rows, cols, coeffs = _row_view(t)
-            table = t.as_strided((rows, cols), (t.stride(2), 1))
-            operands += [TensorDescriptor(table, [rows, cols], [t.stride(2), 1], [block, D]), *coeffs, t.stride(2)]
+            table, coeffs = row_table(t)
+            operands += [TensorDescriptor(table, list(table.shape), list(table.stride()), [block, D]), *coeffs,
+                         t.stride(2)]
         else:  # element [b, h, s] at row s of column offset b * stride(0) + h * stride(1)
             operands += [t, 0, 0, t.stride(0), t.stride(1), t.stride(2)]
-    has_gate = gate is not None
-    gate_args = (gate, *gate.stride()[:3]) if has_gate else (out, 0, 0, 0)
-    coarse_args = (coarse, *coarse.stride()[:3]) if has_gate else (out, 0, 0, 0)
     grid = (num_q_tiles * (tile_volume // block_m), B * H)
     _vsa_fine_kernel[grid](
-        *operands, out, *out.stride()[:3], *gate_args, *coarse_args, blocks, counts, blocks.shape[-2],
+        *operands, out, *out.stride()[:3], *epilogue_args(gate, coarse, out), blocks, counts, blocks.shape[-2],
         q_offsets, q_sizes, H, num_q_tiles, scale * _LOG2_E,  # the kernel uses exp2
-        TILE=tile_volume, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma, HAS_GATE=has_gate,
+        TILE=tile_volume, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma, HAS_GATE=gate is not None,
         SKIP_EMPTY=cfg["skip_empty_blocks"], WARP_SPECIALIZE=cfg["warp_specialize"], num_warps=cfg["num_warps"],
         num_stages=stages)
     return out
