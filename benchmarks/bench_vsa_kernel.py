@@ -361,9 +361,9 @@ def main() -> int:
         "fine_stage_only_triton": triton_fine_stage_only,
         "fine_stage_only_flex": fine_stage_only,
     }
-    if layout.tile_volume > 64:  # the whole call with query blocks of 64 rows, as before blocks of 128
-        cases["vsa_random_gate_packed_m64"] = lambda: _with_config(vsa_triton, {"block_m": 64},
-                                                                   lambda: vsa_packed(with_gate=True))
+    if layout.tile_volume > 64:  # the whole call on the Triton fine stage with query blocks of 128 rows, not 64
+        cases["vsa_random_gate_packed_m128"] = lambda: _with_config(
+            vsa_triton, {"block_m": 128}, lambda: vsa_packed(with_gate=True, backend="triton"))
     cases["coarse_stage_and_topk_unsorted"] = lambda: coarse_and_topk(sorted_topk=False)
     # The Triton fine stage on the block list against walking every key block and query block (empty included).
     cases["fine_stage_only_triton_packed_block_list"] = triton_packed_fine_stage_only

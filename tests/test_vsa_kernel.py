@@ -533,18 +533,18 @@ def test_key_block_list_cuda():
 
 
 def test_fine_stage_launch_blocks():
-    """Query rows per program, key columns per step and stages of the fine stage: 128 query rows (3 stages)
-    at tiles of 128 and 256 slots with TMA loads, 64 rows otherwise (5 stages with TMA, 2 without); a tile
-    smaller than a block is one block; a query block that cannot cover a tile is refused."""
+    """Query rows per program, key columns per step and stages of the fine stage: 64 query rows at every tile
+    volume from 64 slots (5 stages with TMA, 2 without), 128 on request (3 stages with TMA); a tile smaller
+    than a block is one block; a query block that cannot cover a tile is refused."""
     from diffusers_sp.kernels.vsa_triton import launch_blocks
 
     assert launch_blocks(64, True) == (64, 64, 5)
-    assert launch_blocks(128, True) == (128, 64, 3)
-    assert launch_blocks(256, True) == (128, 64, 3)
+    assert launch_blocks(128, True) == (64, 64, 5)
+    assert launch_blocks(256, True) == (64, 64, 5)
     assert launch_blocks(256, False) == (64, 64, 2)
     assert launch_blocks(16, True) == (16, 16, 5)
-    assert launch_blocks(256, True, {"block_m": 64}) == (64, 64, 5)
-    assert launch_blocks(256, True, {"num_stages": 4}) == (128, 64, 4)
+    assert launch_blocks(256, True, {"block_m": 128}) == (128, 64, 3)
+    assert launch_blocks(256, True, {"block_m": 128, "num_stages": 4}) == (128, 64, 4)
     for bad in (256, 96, 8):
         with pytest.raises(ValueError, match="block_m must be"):
             launch_blocks(128, True, {"block_m": bad})

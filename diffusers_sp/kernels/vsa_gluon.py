@@ -60,9 +60,10 @@ TILE_VOLUMES = (64, 128, 256)
 PREFERRED_TILE_VOLUMES = (256,)
 #: Shared-memory stages of the key ring and of the value ring (each stage ``64 * D`` elements) by consumer
 #: count: one consumer, three stages ran 2.41 ms, two 2.45 (H100, D = 128, two programs a multiprocessor); two
-#: consumers at 256 slots, 2.55 / 2.56 / 2.54 ms at three / four / five stages (at 128 slots three ran 2.33 ms,
-#: four 2.51: one run, so four, the setting the whole call was timed with, stays until a second run).
-DEFAULT_STAGES = {1: 3, 2: 4}
+#: consumers, three stages in both runs that compared them: walking the block list, 1.32 / 1.41 / 1.44 ms at
+#: three / four / five stages at 256 slots and 1.61 / 1.60 / 1.61 at 128; walking every block, 2.55 / 2.56 /
+#: 2.54 at 256 and 2.33 / 2.51 / 2.53 at 128 (H100, Wan 1.3B shape; benchmarks/RESULTS.md).
+DEFAULT_STAGES = {1: 3, 2: 3}
 #: Registers per thread reserved at launch by consumer count. One consumer: 128 on eight warps (the consumer
 #: warpgroup, and the producer warp padded to a warpgroup) fit two programs on a multiprocessor. Two: twelve
 #: warps at 168 fill a multiprocessor's 65536 registers. The producer gives all but 24 of its back.

@@ -13,11 +13,10 @@ the valid tokens of consecutive tiles, tile ``i`` occupying the ``sizes[i] <= V`
 sum of the tile sizes), so an attention call needs no padded copy; the padded ``[B, H, N, V, D]`` tiles of
 :func:`~diffusers_sp.kernels.vsa.video_sparse_attention` are the case ``offsets[i] = i * V``.
 
-Fine stage: one program per (batch, head, query tile, row block of up to 128 tokens) loads its query rows
-once, then walks the selected key tiles, each in column blocks of 64 (tiles of more than 64 slots: whole
+Fine stage: one program per (batch, head, query tile, row block of 64 tokens; 128 on request) loads its query
+rows once, then walks the selected key tiles, each in column blocks of 64 (tiles of more than 64 slots: whole
 128-slot key tiles per step ran the fine stage in 7.3 ms against 2.8 ms in blocks, H100,
-benchmarks/RESULTS.md; at 128 and 256 slots a program takes 128 query rows, which share every key block it
-loads), keeping the running row maximum, row sum and accumulator in float32 registers. It walks a block list
+benchmarks/RESULTS.md), keeping the running row maximum, row sum and accumulator in float32 registers. It walks a block list
 (:func:`key_block_list`, one small kernel over the top-k indices): the column blocks of the selected tiles that
 hold a key, so the blocks past a partial tile's end are not loaded or multiplied, and programs past a partial
 query tile's end walk none (at the 256-slot tiling of the Wan 1.3B latent, 3.08 of every 4 key blocks hold a
@@ -54,9 +53,6 @@ except ImportError:
 _LOG2_E = 1.4426950408889634
 #: Key columns per step: key tiles of more slots are walked in column blocks of this many.
 _BLOCK = 64
-#: Query rows per program (at most; a tile of fewer slots is one program): the rows of one program share each
-#: key block it loads, so larger query blocks read fewer bytes per product from L2.
-_BLOCK_M = 128
 
 #: Launch configuration measured fastest on Hopper (bf16, V = 64, D = 128, top-63 of 624 tiles;
 #: benchmarks/RESULTS.md): four warps (one warpgroup), one key block per step, loaded by the tensor-memory
@@ -65,12 +61,12 @@ _BLOCK_M = 128
 #: warps ran 5.4-7.0 ms against 3.1 ms). ``warp_specialize``: Triton's producer / consumer warp partitions
 #: of the key loop (``tl.range(warp_specialize=True)``), for benchmarks: slower here (H200: 4.0-4.9 ms against
 #: 2.35-2.45), as were two key blocks per step sharing one rescale of the accumulator (3.5-3.8 ms).
-#: ``block_m``: query rows per program, None meaning ``min(V, 128)`` with TMA loads and ``min(V, 64)`` without
-#: (128 rows on four warps with the gate spill 1256 bytes of registers with ordinary loads, 432 with TMA;
-#: sm90). At tiles of 128 and 256 slots, 128 rows on four warps and three stages ran the whole call queued
-#: 2.48 / 2.51 ms (4x8x8 / 4x4x8) against 2.55 / 2.64 at 64 rows, H100, same run; on eight warps (two
-#: warpgroups, no spills) 128 rows were slower than 64 (benchmarks/RESULTS.md). ``num_stages=None``: 3 at 128
-#: rows with TMA.
+#: ``block_m``: query rows per program, None meaning ``min(V, 64)``. 128 rows share each key block between
+#: twice the rows and were faster while every program walked every block (whole call queued 2.48 / 2.51 ms at
+#: 4x8x8 / 4x4x8 against 2.55 / 2.64); with the block list, programs of 64 rows skip more of the empty query
+#: rows of partial tiles and run it in 1.39 / 1.52 ms against 1.48 / 1.88 at 128 (H100, Wan 1.3B shape;
+#: benchmarks/RESULTS.md). ``num_stages=None``: 3 at 128 rows with TMA (128 rows on four warps with the gate
+#: spill registers: 84 bytes with TMA, sm90).
 #: ``skip_empty_blocks``: walk only the key blocks that hold a key and skip programs without query rows (False:
 #: every block of every selected tile and every program, as before the block list; for benchmarks).
 DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False, "block_m": None,
@@ -258,7 +254,7 @@ def launch_blocks(tile_volume: int, use_tma: bool, config: dict | None = None) -
         ValueError: ``config["block_m"]`` is not 16, 32, 64 or 128, or does not divide ``tile_volume``.
     """
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
-    block_m = cfg["block_m"] or min(tile_volume, _BLOCK_M if use_tma else _BLOCK)
+    block_m = cfg["block_m"] or min(tile_volume, _BLOCK)
     if block_m not in (16, 32, 64, 128) or tile_volume % block_m:
         raise ValueError(f"block_m must be 16, 32, 64 or 128 and divide the tile volume {tile_volume}, got {block_m}")
     stages = cfg["num_stages"] or ((3 if block_m > _BLOCK else 5) if use_tma else 2)
