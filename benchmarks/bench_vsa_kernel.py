@@ -369,13 +369,6 @@ def main() -> int:
     cases["fine_stage_only_triton_packed_block_list"] = triton_packed_fine_stage_only
     cases["fine_stage_only_triton_packed_every_block"] = lambda: vsa_triton.fine_stage_triton_packed(
         *packed[:3], selected, **packed_stage_args, config={"skip_empty_blocks": False})
-    if layout.tile_volume == 64:  # tiles of at most 16 and 32 queries in launches of 16 and 32 rows a program
-        cases["fine_stage_only_triton_packed_small_tiles"] = lambda: vsa_triton.fine_stage_triton_packed(
-            *packed[:3], selected, **packed_stage_args, config={"small_tiles": (16, 32)})
-        cases["fine_stage_only_triton_packed_small_tiles_16"] = lambda: vsa_triton.fine_stage_triton_packed(
-            *packed[:3], selected, **packed_stage_args, config={"small_tiles": (16,)})
-        cases["vsa_random_gate_packed_small_tiles"] = lambda: _with_config(
-            vsa_triton, {"small_tiles": (16, 32)}, lambda: vsa_packed(with_gate=True, backend="triton"))
     cases["vsa_random_gate_packed_every_block"] = lambda: _with_config(
         vsa_triton, {"skip_empty_blocks": False}, lambda: vsa_packed(with_gate=True, backend="triton"))
     # The top-k kernel alone on this call's tile scores, with and without the common-prefix start and early exit.

@@ -16,13 +16,12 @@ sum of the tile sizes), so an attention call needs no padded copy; the padded ``
 Fine stage: one program per (batch, head, query tile, row block of 64 tokens; 128 on request) loads its query
 rows once, then walks the selected key tiles, each in column blocks of 64 (tiles of more than 64 slots: whole
 128-slot key tiles per step ran the fine stage in 7.3 ms against 2.8 ms in blocks, H100,
-benchmarks/RESULTS.md), keeping the running row maximum, row sum and accumulator in float32 registers. It
-walks a block list (:func:`key_block_list`, one small kernel over the top-k indices): the column blocks of the
-selected tiles that hold a key, so the blocks past a partial tile's end are not loaded or multiplied, and
-programs past a partial query tile's end walk none (at the 256-slot tiling of the Wan 1.3B latent, 3.08 of
-every 4 key blocks hold a key, and 3.08 of every 4 query blocks of 64 rows a query: three fifths of the work
-remain; the fine stage ran 1.74x faster, H100). Key rows past a tile's size within a block are masked to
-``-inf``; with ``small_tiles``, tiles of few queries run in launches of 16 or 32 rows a program. On
+benchmarks/RESULTS.md), keeping the running row maximum, row sum and accumulator in float32 registers. It walks a block list
+(:func:`key_block_list`, one small kernel over the top-k indices): the column blocks of the selected tiles that
+hold a key, so the blocks past a partial tile's end are not loaded or multiplied, and programs past a partial
+query tile's end walk none (at the 256-slot tiling of the Wan 1.3B latent, 3.08 of every 4 key blocks hold a
+key and 1.71 of every 2 query blocks a query: two thirds of the work). Key rows past a tile's size within a
+block are masked to ``-inf``. On
 Hopper and newer the query, key and value blocks are loaded by the tensor-memory accelerator (TMA) through
 Triton's host tensor descriptors (2.45 ms against 3.07 ms with ordinary loads, H200, Wan 1.3B shape);
 elsewhere by ordinary masked loads. With a gate, the epilogue adds ``coarse_out * gate`` to the normalised
@@ -70,11 +69,8 @@ _BLOCK = 64
 #: spill registers: 84 bytes with TMA, sm90).
 #: ``skip_empty_blocks``: walk only the key blocks that hold a key and skip programs without query rows (False:
 #: every block of every selected tile and every program, as before the block list; for benchmarks).
-#: ``small_tiles``: query-row counts (16, 32) of extra launches for the tiles that hold at most that many
-#: queries, where a program's rows span the whole tile (64 slots): a partial tile of 16 queries is then not
-#: multiplied as 64 rows (empty: every tile in the one launch).
 DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False, "block_m": None,
-                  "skip_empty_blocks": True, "small_tiles": ()}
+                  "skip_empty_blocks": True}
 
 
 def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int | None = None) -> bool:
@@ -307,35 +303,22 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     blocks, counts = key_block_list(selected, kv_offsets, kv_sizes, tile_volume, skip_empty=cfg["skip_empty_blocks"])
     use_tma = cfg["tma"] and tma_applies(q, k, v)
     block_m, block_n, stages = launch_blocks(tile_volume, use_tma, cfg)
-    # Launches as (query rows a program, tiles of more than `low` and at most `high` queries): one, or with
-    # small_tiles where a program spans its tile, the largest first, then one per smaller row count.
-    launches = [(block_m, 0, tile_volume)]
-    small = sorted(r for r in cfg["small_tiles"] if r < block_m) if block_m == tile_volume else []
-    if small:
-        launches = [(block_m, small[-1], tile_volume)] + [(r, low, r) for low, r in zip([0] + small[:-1], small)]
-    kv_operands = []
-    for t in (k, v):
-        kv_operands += _operands(t, block_n, use_tma)
-    for rows, low, high in launches:
-        grid = (num_q_tiles * (tile_volume // block_m), B * H)
-        _vsa_fine_kernel[grid](
-            *_operands(q, rows, use_tma), *kv_operands, out, *out.stride()[:3], *epilogue_args(gate, coarse, out),
-            blocks, counts, blocks.shape[-2], q_offsets, q_sizes, low, high, H, num_q_tiles,
-            scale * _LOG2_E,  # the kernel uses exp2
-            TILE=tile_volume if rows == block_m else rows, HEAD_DIM=D, BLOCK_M=rows, BLOCK_N=block_n, TMA=use_tma,
-            HAS_GATE=gate is not None, SKIP_EMPTY=cfg["skip_empty_blocks"], WARP_SPECIALIZE=cfg["warp_specialize"],
-            num_warps=cfg["num_warps"], num_stages=stages)
+    operands = []
+    for t, block in ((q, block_m), (k, block_n), (v, block_n)):
+        if use_tma:
+            table, coeffs = row_table(t)
+            operands += [TensorDescriptor(table, list(table.shape), list(table.stride()), [block, D]), *coeffs,
+                         t.stride(2)]
+        else:  # element [b, h, s] at row s of column offset b * stride(0) + h * stride(1)
+            operands += [t, 0, 0, t.stride(0), t.stride(1), t.stride(2)]
+    grid = (num_q_tiles * (tile_volume // block_m), B * H)
+    _vsa_fine_kernel[grid](
+        *operands, out, *out.stride()[:3], *epilogue_args(gate, coarse, out), blocks, counts, blocks.shape[-2],
+        q_offsets, q_sizes, H, num_q_tiles, scale * _LOG2_E,  # the kernel uses exp2
+        TILE=tile_volume, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma, HAS_GATE=gate is not None,
+        SKIP_EMPTY=cfg["skip_empty_blocks"], WARP_SPECIALIZE=cfg["warp_specialize"], num_warps=cfg["num_warps"],
+        num_stages=stages)
     return out
-
-
-def _operands(t: torch.Tensor, block: int, use_tma: bool) -> list:
-    """The fine-stage kernel's arguments for one of q, k, v: a TMA descriptor of ``block`` rows with the row
-    coefficients of :func:`row_table` and the row stride, or the tensor with its strides (ordinary loads)."""
-    if use_tma:
-        table, coeffs = row_table(t)
-        return [TensorDescriptor(table, list(table.shape), list(table.stride()), [block, t.shape[-1]]), *coeffs,
-                t.stride(2)]
-    return [t, 0, 0, t.stride(0), t.stride(1), t.stride(2)]  # element [b, h, s] at row s, column b * s0 + h * s1
 
 
 @torch.library.custom_op("diffusers_sp::vsa_fine_stage_triton", mutates_args=())
@@ -396,8 +379,7 @@ if triton is not None:
     def _vsa_fine_kernel(Q, q_rb, q_rh, q_cb, q_ch, s_q, K, k_rb, k_rh, k_cb, k_ch, s_k,
                          V, v_rb, v_rh, v_cb, v_ch, s_v, Out, s_ob, s_oh, s_os,
                          Gate, s_gb, s_gh, s_gs, Coarse, s_cb, s_ch, s_cn,
-                         Blocks, Counts, max_entries, QOff, QSizes, rows_low, rows_high, num_heads, num_q_tiles,
-                         scale_log2,
+                         Blocks, Counts, max_entries, QOff, QSizes, num_heads, num_q_tiles, scale_log2,
                          TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          TMA: tl.constexpr, HAS_GATE: tl.constexpr, SKIP_EMPTY: tl.constexpr,
                          WARP_SPECIALIZE: tl.constexpr):
@@ -414,50 +396,48 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         q_start = tl.load(QOff + q_tile)
         q_count = tl.load(QSizes + q_tile)
-        # This launch's tiles only (small_tiles: those of more than rows_low and at most rows_high queries).
-        if (q_count > rows_low) & (q_count <= rows_high):
-            q_first = b * q_rb + h * q_rh + q_start + q_row
-            if TMA:
-                q = Q.load([q_first, b * q_cb + h * q_ch])
-            else:
-                q = tl.load(Q + (q_first + rows).to(tl.int64)[:, None] * s_q + (b * q_cb + h * q_ch).to(tl.int64)
-                            + dims[None, :], mask=(q_row + rows < q_count)[:, None], other=0.0)
-            k_row0 = b * k_rb + h * k_rh
-            k_col = (b * k_cb + h * k_ch).to(tl.int64)
-            v_row0 = b * v_rb + h * v_rh
-            v_col = (b * v_cb + h * v_ch).to(tl.int64)
-            list_row = bh.to(tl.int64) * num_q_tiles + q_tile
-            block_base = Blocks + list_row * max_entries * 2
-            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            # One loop over the block list (key_block_list: the blocks holding a key, tile after tile), so that the
-            # pipeliner keeps one entry's loads per stage. A program without query rows (past a partial tile's end)
-            # walks none. Skipping changes no bit of the output: an empty block's scores are -inf, so its step
-            # rescales by exactly 1 and adds 0 (the running maximum is finite from the first entry on, every tile's
-            # first block holding a key).
-            entries = tl.load(Counts + list_row)
-            if SKIP_EMPTY:
-                entries = tl.where(q_row < q_count, entries, 0)
-            for entry in tl.range(0, entries, warp_specialize=WARP_SPECIALIZE):
-                k, vals, key_ok = _key_block(K, V, block_base, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, key_rows,
-                                             dims, TMA)
-                # Scores stay unscaled: the scale goes into exp2's argument as one fused multiply-add per score.
-                s = tl.where(key_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-                p = tl.math.exp2(s * scale_log2 - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
-                m_i = m_new
-            out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
-            tokens = (q_start + q_row + rows).to(tl.int64)
-            row_ok = (q_row + rows < q_count)[:, None]
-            if HAS_GATE:  # the reference's addcmul(fine, coarse, gate), each operand in the output dtype
-                g = tl.load(Gate + b.to(tl.int64) * s_gb + h.to(tl.int64) * s_gh + tokens[:, None] * s_gs
-                            + dims[None, :], mask=row_ok, other=0.0)
-                c = tl.load(Coarse + b.to(tl.int64) * s_cb + h.to(tl.int64) * s_ch + q_tile.to(tl.int64) * s_cn + dims)
-                c = c.to(Out.dtype.element_ty).to(tl.float32)
-                out = (out.to(tl.float32) + c[None, :] * g.to(tl.float32)).to(Out.dtype.element_ty)
-            tl.store(Out + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + tokens[:, None] * s_os + dims[None, :], out,
-                     mask=row_ok)
+        q_first = b * q_rb + h * q_rh + q_start + q_row
+        if TMA:
+            q = Q.load([q_first, b * q_cb + h * q_ch])
+        else:
+            q = tl.load(Q + (q_first + rows).to(tl.int64)[:, None] * s_q + (b * q_cb + h * q_ch).to(tl.int64)
+                        + dims[None, :], mask=(q_row + rows < q_count)[:, None], other=0.0)
+        k_row0 = b * k_rb + h * k_rh
+        k_col = (b * k_cb + h * k_ch).to(tl.int64)
+        v_row0 = b * v_rb + h * v_rh
+        v_col = (b * v_cb + h * v_ch).to(tl.int64)
+        list_row = bh.to(tl.int64) * num_q_tiles + q_tile
+        block_base = Blocks + list_row * max_entries * 2
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        # One loop over the block list (key_block_list: the blocks holding a key, tile after tile), so that the
+        # pipeliner keeps one entry's loads per stage. A program without query rows (past a partial tile's end)
+        # walks none. Skipping changes no bit of the output: an empty block's scores are -inf, so its step
+        # rescales by exactly 1 and adds 0 (the running maximum is finite from the first entry on, every tile's
+        # first block holding a key).
+        entries = tl.load(Counts + list_row)
+        if SKIP_EMPTY:
+            entries = tl.where(q_row < q_count, entries, 0)
+        for entry in tl.range(0, entries, warp_specialize=WARP_SPECIALIZE):
+            k, vals, key_ok = _key_block(K, V, block_base, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, key_rows,
+                                         dims, TMA)
+            # Scores stay unscaled: the scale goes into exp2's argument as one fused multiply-add per score.
+            s = tl.where(key_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+            p = tl.math.exp2(s * scale_log2 - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+            m_i = m_new
+        out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
+        tokens = (q_start + q_row + rows).to(tl.int64)
+        row_ok = (q_row + rows < q_count)[:, None]
+        if HAS_GATE:  # the reference's addcmul(fine, coarse, gate), each operand in the output dtype
+            g = tl.load(Gate + b.to(tl.int64) * s_gb + h.to(tl.int64) * s_gh + tokens[:, None] * s_gs + dims[None, :],
+                        mask=row_ok, other=0.0)
+            c = tl.load(Coarse + b.to(tl.int64) * s_cb + h.to(tl.int64) * s_ch + q_tile.to(tl.int64) * s_cn + dims)
+            c = c.to(Out.dtype.element_ty).to(tl.float32)
+            out = (out.to(tl.float32) + c[None, :] * g.to(tl.float32)).to(Out.dtype.element_ty)
+        tl.store(Out + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + tokens[:, None] * s_os + dims[None, :], out,
+                 mask=row_ok)
