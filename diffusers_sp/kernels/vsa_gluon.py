@@ -54,9 +54,13 @@ BLOCK = 64
 #: Tile volumes ``V`` the kernel takes. Tiles of 128 and 256 slots are walked in key blocks of 64; their programs
 #: take 128 query rows on two consumer warpgroups, which share every key and value block the producer loads.
 TILE_VOLUMES = (64, 128, 256)
-#: Tile volumes at which ``backend="auto"`` runs this kernel rather than the Triton one: 256 slots, where the
-#: call with the gate ran 2.43 ms queued against 2.52 (H100, Wan 1.3B shape, sparsity 0.9); at 128 slots the two
-#: were level (2.52 / 2.54 ms) and at 64 the Triton kernel was ahead (benchmarks/RESULTS.md).
+#: Tile volumes at which ``backend="auto"`` runs this kernel rather than the Triton one: 256 slots. Walking every
+#: block, the call with the gate ran 2.43 ms queued there against 2.52, level at 128 slots (H100, Wan 1.3B shape,
+#: sparsity 0.9). With the block list, at 256 slots it ran 1.72-2.02 / 1.39-1.43 ms synced / queued at four
+#: stages against 1.95 / 1.48 on Triton's programs of 128 rows (those of 64 rows not timed there), and its fine
+#: stage alone is 6 % faster at three stages (1.32 against 1.41 ms; the whole call not timed at three yet); at
+#: 128 slots Triton's 64-row programs ran 1.72 / 1.52 ms against 2.42 / 1.70, and at 64 slots Triton was
+#: ahead before (benchmarks/RESULTS.md).
 PREFERRED_TILE_VOLUMES = (256,)
 #: Shared-memory stages of the key ring and of the value ring (each stage ``64 * D`` elements) by consumer
 #: count: one consumer, three stages ran 2.41 ms, two 2.45 (H100, D = 128, two programs a multiprocessor); two
@@ -160,8 +164,8 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
         *operands, out, *out.stride()[:3], *epilogue_args(gate, coarse, out), blocks, counts, blocks.shape[-2],
         q_offsets, q_sizes, H, q_offsets.shape[0], scale * _LOG2_E,
         HEAD_DIM=D, BLOCK=BLOCK, TILE_VOLUME=tile_volume, CONSUMERS=consumers, STAGES=stages,
-        CONSUMER_REGISTERS=max_registers // 8 * 8, HAS_GATE=gate is not None, OVERLAP_VALUES=overlap_values, num_warps=4,
-        maxnreg=max_registers)
+        CONSUMER_REGISTERS=max_registers // 8 * 8, HAS_GATE=gate is not None, OVERLAP_VALUES=overlap_values,
+        num_warps=4, maxnreg=max_registers)
     return out
 
 

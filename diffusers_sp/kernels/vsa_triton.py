@@ -16,12 +16,13 @@ sum of the tile sizes), so an attention call needs no padded copy; the padded ``
 Fine stage: one program per (batch, head, query tile, row block of 64 tokens; 128 on request) loads its query
 rows once, then walks the selected key tiles, each in column blocks of 64 (tiles of more than 64 slots: whole
 128-slot key tiles per step ran the fine stage in 7.3 ms against 2.8 ms in blocks, H100,
-benchmarks/RESULTS.md), keeping the running row maximum, row sum and accumulator in float32 registers. It walks a block list
-(:func:`key_block_list`, one small kernel over the top-k indices): the column blocks of the selected tiles that
-hold a key, so the blocks past a partial tile's end are not loaded or multiplied, and programs past a partial
-query tile's end walk none (at the 256-slot tiling of the Wan 1.3B latent, 3.08 of every 4 key blocks hold a
-key and 1.71 of every 2 query blocks a query: two thirds of the work). Key rows past a tile's size within a
-block are masked to ``-inf``. On
+benchmarks/RESULTS.md), keeping the running row maximum, row sum and accumulator in float32 registers. It
+walks a block list (:func:`key_block_list`, one small kernel over the top-k indices): the column blocks of the
+selected tiles that hold a key, so the blocks past a partial tile's end are not loaded or multiplied, and
+programs past a partial query tile's end walk none (at the 256-slot tiling of the Wan 1.3B latent, 3.08 of
+every 4 key blocks hold a key, and 3.08 of every 4 query blocks of 64 rows a query: three fifths of the work
+remain; the fine stage ran 1.74x faster, H100). Key rows past a tile's size within a block are masked to
+``-inf``. On
 Hopper and newer the query, key and value blocks are loaded by the tensor-memory accelerator (TMA) through
 Triton's host tensor descriptors (2.45 ms against 3.07 ms with ordinary loads, H200, Wan 1.3B shape);
 elsewhere by ordinary masked loads. With a gate, the epilogue adds ``coarse_out * gate`` to the normalised
@@ -64,9 +65,11 @@ _BLOCK = 64
 #: ``block_m``: query rows per program, None meaning ``min(V, 64)``. 128 rows share each key block between
 #: twice the rows and were faster while every program walked every block (whole call queued 2.48 / 2.51 ms at
 #: 4x8x8 / 4x4x8 against 2.55 / 2.64); with the block list, programs of 64 rows skip more of the empty query
-#: rows of partial tiles and run it in 1.39 / 1.52 ms against 1.48 / 1.88 at 128 (H100, Wan 1.3B shape;
-#: benchmarks/RESULTS.md). ``num_stages=None``: 3 at 128 rows with TMA (128 rows on four warps with the gate
-#: spill registers: 84 bytes with TMA, sm90).
+#: rows of partial tiles (at 4x8x8, 3.08 of 4 query blocks of 64 hold a query, 1.71 of 2 of 128), and at 4x4x8
+#: the call with the gate ran 1.72 / 1.52 ms synced / queued at 64 rows against 2.00-2.08 / 1.82-1.88 at 128
+#: (H100, Wan 1.3B shape, same run; at 4x8x8 the 64-row call is not timed yet; benchmarks/RESULTS.md).
+#: ``num_stages=None``: 3 at 128 rows with TMA (128 rows on four warps with the gate spill registers: 84 bytes
+#: with TMA, sm90).
 #: ``skip_empty_blocks``: walk only the key blocks that hold a key and skip programs without query rows (False:
 #: every block of every selected tile and every program, as before the block list; for benchmarks).
 DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False, "block_m": None,
