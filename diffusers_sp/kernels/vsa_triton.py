@@ -289,10 +289,11 @@ def key_block_list(selected: torch.Tensor, kv_offsets: torch.Tensor, kv_sizes: t
     blocks = torch.empty((B, H, num_q_tiles, topk * parts, 2), device=selected.device, dtype=torch.int32)
     counts = torch.empty((B, H, num_q_tiles), device=selected.device, dtype=torch.int32)
     num_rows = B * H * num_q_tiles
-    rows = max(1, min(16, 1024 // triton.next_power_of_2(topk)))
+    width = triton.next_power_of_2(topk)
+    rows = max(1, min(16, 1024 // width))  # rows of selections a program: about 1024 entries
     _key_blocks_kernel[(triton.cdiv(num_rows, rows),)](
-        selected, kv_offsets, kv_sizes, blocks, counts, num_rows, topk, ROWS=rows,
-        TOPK=triton.next_power_of_2(topk), BLOCK_N=block_n, PARTS=parts, SKIP_EMPTY=skip_empty)
+        selected, kv_offsets, kv_sizes, blocks, counts, num_rows, topk, ROWS=rows, TOPK=width, BLOCK_N=block_n,
+        PARTS=parts, SKIP_EMPTY=skip_empty, num_warps=min(8, max(4, rows * width // 256)))
     return blocks, counts
 
 
