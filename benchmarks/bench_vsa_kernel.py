@@ -369,6 +369,17 @@ def main() -> int:
     cases["fine_stage_only_triton_packed_block_list"] = triton_packed_fine_stage_only
     cases["fine_stage_only_triton_packed_every_block"] = lambda: vsa_triton.fine_stage_triton_packed(
         *packed[:3], selected, **packed_stage_args, config={"skip_empty_blocks": False})
+    # Short key steps for the ends of partial tiles (32 / 16 rows after the 64-row steps) and, at 64 slots,
+    # launches of 16 and 32 query rows a program for the tiles of few queries; each alone and together.
+    step_variants = {"short": {"short_steps": (32, 16)}, "short32": {"short_steps": (32,)}}
+    if layout.tile_volume == 64:
+        step_variants.update({"small_tiles": {"small_tiles": (16, 32)}, "small_tiles_16": {"small_tiles": (16,)},
+                         "short_small_tiles": {"short_steps": (32, 16), "small_tiles": (16, 32)}})
+    for name, config in step_variants.items():
+        cases[f"fine_stage_only_triton_packed_{name}"] = (lambda c=config: vsa_triton.fine_stage_triton_packed(
+            *packed[:3], selected, **packed_stage_args, config=c))
+        cases[f"vsa_random_gate_packed_{name}"] = lambda c=config: _with_config(
+            vsa_triton, c, lambda: vsa_packed(with_gate=True, backend="triton"))
     cases["vsa_random_gate_packed_every_block"] = lambda: _with_config(
         vsa_triton, {"skip_empty_blocks": False}, lambda: vsa_packed(with_gate=True, backend="triton"))
     # The top-k kernel alone on this call's tile scores, with and without the common-prefix start and early exit.
@@ -483,6 +494,10 @@ def main() -> int:
     block_list_equal = torch.equal(_with_config(vsa_triton, {"skip_empty_blocks": False},
                                                 lambda: vsa_packed(with_gate=True, backend="triton")),
                                    vsa_packed(with_gate=True, backend="triton"))
+    # The short key steps and small-tile launches against the default call (the same sums in another order).
+    variant_errors = {name: relative_error(_with_config(vsa_triton, config, lambda: vsa_packed(
+        with_gate=True, backend="triton")), packed_gate_out) for name, config in step_variants.items()}
+    variants_error = max(variant_errors.values())
     # The TMA variant against the default kernel on the same selection.
     tma_error = relative_error(triton_fine_stage_only(), triton_fine_stage_only({"tma": False}))
     gluon_error = gluon_call_error = None
@@ -506,7 +521,8 @@ def main() -> int:
     coarse_error = relative_error(coarse_kernel, coarse_torch)
     accuracy_ok = block_list_equal and all(e <= ACCURACY_LIMIT for e in (error, backends_error, tma_error, packed_error, packed_dense_error,
                                                      fa4_error, fa4_dense_error, coarse_error,
-                                                     fa4_sparse0_error, gluon_error, gluon_call_error)
+                                                     fa4_sparse0_error, gluon_error, gluon_call_error,
+                                                     variants_error)
                        if e is not None)
 
     report = {
@@ -525,6 +541,7 @@ def main() -> int:
                      "triton_tma_vs_triton_relative_error": tma_error,
                      "packed_vs_padded_with_gate_relative_error": packed_error,
                      "block_list_equals_every_block": block_list_equal,
+                     "short_steps_and_small_tiles_vs_call_relative_error": variant_errors,
                      "packed_sparsity0_vs_dense_relative_error": packed_dense_error,
                      "coarse_kernels_vs_torch_relative_error": coarse_error,
                      "coarse_kernels_vs_torch_selection_rows_differing": selection_mismatch,
@@ -554,7 +571,8 @@ def main() -> int:
     print(f"packed vs padded (gate) {packed_error:.2e}, packed sparsity 0 vs dense {packed_dense_error:.2e}, coarse "
           f"kernels vs torch {coarse_error:.2e} (rows selecting other tiles: {selection_mismatch:.2e})")
     print(f"Gluon fine stage vs Triton {gluon_error}, whole call with it vs Triton {gluon_call_error}; block list "
-          f"equals walking every block: {block_list_equal}")
+          f"equals walking every block: {block_list_equal}; short steps / small tiles vs the call: "
+          + ", ".join(f"{n} {e:.2e}" for n, e in variant_errors.items()))
     print(f"accuracy: sparsity 0 vs dense relative error {error:.2e}, triton vs flex at sparsity "
           f"{args.sparsity} {backends_error:.2e}, TMA vs plain Triton {tma_error:.2e}, FA4 vs Triton {fa4_error}, "
           f"dense FA4 vs SDPA {fa4_dense_error}, FA4 VSA sparsity 0 vs dense {fa4_sparse0_error} (limit {ACCURACY_LIMIT:g}): "

@@ -395,7 +395,11 @@ def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
                                          ({"tma": True}, (4, 8, 8)), ({"tma": True, "block_m": 64}, (4, 8, 8)),
                                          ({"tma": False, "block_m": 128}, (4, 8, 8)),
                                          ({"tma": True, "block_m": 128, "num_warps": 4, "num_stages": 3}, (4, 8, 8)),
-                                         ({"tma": True}, (2, 8, 8)), ({"tma": True, "block_m": 32}, (2, 8, 8))],
+                                         ({"tma": True}, (2, 8, 8)), ({"tma": True, "block_m": 32}, (2, 8, 8)),
+                                         ({"tma": True, "short_steps": (32, 16)}, (4, 4, 4)),
+                                         ({"tma": False, "short_steps": (32, 16), "small_tiles": (16, 32)}, (4, 4, 4)),
+                                         ({"tma": True, "short_steps": (32, 16)}, (4, 8, 8)),
+                                         ({"tma": True, "short_steps": (16,), "small_tiles": (32,)}, (4, 4, 4))],
                          ids=str)
 def test_triton_fine_stage_configs_cuda(config, tile):
     """GPU-only: the fine stage at several top-k, with the tensor-descriptor (TMA) loads, which must
@@ -433,7 +437,9 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
     tile-ordered tokens held as the processor holds them (``[B, S, H, D]`` projections seen as
     ``[B, H, S, D]``, or the token-major ``[S, B, H, D]`` buffers of the collectives) equals the reference
     backend, for all query tiles and for a range of them, with and without a gate, TMA and ordinary loads; and
-    walking every key block and query block (empty ones included) gives the same bits as skipping the empty."""
+    walking every key block and query block (empty ones included) gives the same bits as skipping the empty;
+    with the short key steps for the ends of partial tiles, and at 64 slots with the tiles of few queries in
+    launches of 16 and 32 rows (``short_steps``, ``small_tiles``)."""
     from unittest import mock
 
     from diffusers_sp.kernels import vsa_triton
@@ -467,45 +473,68 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
                                                       gate=None if gp is None else gp.float(), **args)
             assert fast.dtype == torch.bfloat16 and fast.shape == qp.shape
             torch.testing.assert_close(fast.float(), reference, rtol=2e-2, atol=2e-2)
+            for variant in ({"short_steps": (32, 16)}, {"short_steps": (32,), "small_tiles": (16, 32)},
+                            {"small_tiles": (16,)}):
+                with mock.patch.object(vsa_triton, "DEFAULT_CONFIG",
+                                       dict(vsa_triton.DEFAULT_CONFIG, **(config or {}), **variant)):
+                    other = video_sparse_attention_packed(qp, kp, vp, gate=gp, backend="triton", **args)
+                torch.testing.assert_close(other.float(), reference, rtol=2e-2, atol=2e-2, msg=str(variant))
     if tma:
         assert vsa_triton.tma_applies(qp, kp, vp), "the TMA loads do not apply on this GPU"
 
 
 _BLOCK_LIST_CHECK = textwrap.dedent("""
     import torch
-    from diffusers_sp.kernels.vsa_triton import key_block_list
+    from diffusers_sp.kernels.vsa_block_list import key_block_list
 
-    def expected(selected, offsets, sizes, tile_volume, skip_empty):
+    def expected(selected, offsets, sizes, tile_volume, skip_empty, short_steps):
+        # Per row: the classes' entries one after the other, and where each class ends.
         block = min(tile_volume, 64)
+
+        def step_class(keys):  # 0: 64-row steps; 1, 2: the short steps' rows (at most that many keys)
+            if not short_steps or keys > short_steps[0] or keys <= 0:
+                return 0
+            return 1 if len(short_steps) == 1 or keys > short_steps[1] else 2
+
         rows = []
         for chosen in selected.reshape(-1, selected.shape[-1]).tolist():
-            row = []
+            classes = [[] for _ in short_steps + (None,)]
             for tile in chosen:
                 for part in range(tile_volume // block):
                     keys = int(sizes[tile]) - part * block
                     if keys > 0 or not skip_empty:
-                        row.append((int(offsets[tile]) + part * block, min(keys, block)))
-            rows.append(row)
+                        classes[step_class(keys)].append((int(offsets[tile]) + part * block, min(keys, block)))
+            ends = [sum(len(c) for c in classes[:i + 1]) for i in range(len(classes))]
+            rows.append((sum(classes, []), ends))
         return rows
 
     gen = torch.Generator().manual_seed(4)
     for tile_volume, num_tiles, topk in ((64, 9, 4), (128, 11, 5), (256, 7, 3), (256, 30, 17)):
         sizes = torch.randint(1, tile_volume + 1, (num_tiles,), generator=gen, dtype=torch.int32)
         sizes[::3] = tile_volume
+        edges = torch.tensor([16, 32, 17, 33, 15, 31], dtype=torch.int32) + (tile_volume // 2 // 64) * 64
+        sizes[1:1 + len(edges)] = edges[:num_tiles - 1]  # last blocks of exactly, just above and below a step
         offsets = (torch.cumsum(sizes, 0) - sizes).to(torch.int32)
         selected = torch.stack([torch.randperm(num_tiles, generator=gen)[:topk] for _ in range(2 * 3 * 5)])
         for dtype in (torch.int64, torch.int32):
             sel = selected.view(2, 3, 5, topk).to(DEVICE, dtype)
-            for skip_empty in (True, False):
+            for skip_empty, short in ((True, ()), (False, ()), (True, (32, 16)), (True, (32,)), (True, (16,))):
                 blocks, counts = key_block_list(sel, offsets.to(DEVICE), sizes.to(DEVICE), tile_volume,
-                                                skip_empty=skip_empty)
-                want = expected(selected, offsets, sizes, tile_volume, skip_empty)
-                assert blocks.dtype == counts.dtype == torch.int32 and counts.shape == (2, 3, 5)
-                got_counts = counts.flatten().tolist()
-                assert got_counts == [len(r) for r in want], (tile_volume, skip_empty)
+                                                skip_empty=skip_empty, short_steps=short)
+                want = expected(selected, offsets, sizes, tile_volume, skip_empty, short)
+                assert blocks.dtype == counts.dtype == torch.int32 and counts.shape == (2, 3, 5, 1 + len(short))
+                got_ends = counts.view(-1, 1 + len(short)).tolist()
+                assert got_ends == [ends for _, ends in want], (tile_volume, skip_empty, short)
                 flat = blocks.view(-1, blocks.shape[-2], 2).cpu()
-                for row, n, w in zip(flat, got_counts, want):
-                    assert [tuple(e) for e in row[:n].tolist()] == w, (tile_volume, skip_empty)
+                for row, ends, (w, _) in zip(flat, got_ends, want):
+                    assert [tuple(e) for e in row[:ends[-1]].tolist()] == w, (tile_volume, skip_empty, short)
+    for bad in ((16, 32), (64,), (32, 16, 8), (48,)):
+        try:
+            key_block_list(sel, offsets.to(DEVICE), sizes.to(DEVICE), 64, short_steps=bad)
+        except ValueError as e:
+            assert "short_steps" in str(e)
+        else:
+            raise AssertionError(f"short_steps={bad} accepted")
     print("block lists ok")
 """)
 
@@ -519,10 +548,11 @@ def _block_list_expected_and_got(device):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
 def test_key_block_list_in_triton_interpreter():
-    """The fine stage's block list (vsa_triton.key_block_list) equals a loop's: the selected tiles in their
+    """The fine stage's block list (vsa_block_list.key_block_list) equals a loop's: the selected tiles in their
     order, each cut into blocks of min(V, 64) rows, only those holding a key (or all of them, skip_empty=False),
-    with each block's first row and key count; at 64-, 128- and 256-slot tiles, int64 and int32 selections;
-    run by Triton's interpreter on CPU tensors."""
+    with each block's first row and key count, and with short steps the blocks of at most 32 / 16 keys listed
+    after the others, class by class, with each class's end; bad short steps raise; at 64-, 128- and 256-slot
+    tiles, int64 and int32 selections; run by Triton's interpreter on CPU tensors."""
     _block_list_expected_and_got("cpu")
 
 

@@ -6,7 +6,7 @@ tile selected. :mod:`~diffusers_sp.kernels.vsa_triton` runs it as a Triton kerne
 chooses; here the schedule is written out, as FlashAttention-3 does on Hopper (J. Shah et al., arXiv
 2407.08608):
 
-* one producer warp walks the query tile's block list (:func:`~diffusers_sp.kernels.vsa_triton.key_block_list`:
+* one producer warp walks the query tile's block list (:func:`~diffusers_sp.kernels.vsa_block_list.key_block_list`:
   the key blocks of 64 rows of its selected tiles that hold a key; a program past a partial query tile's end
   walks one block only) and loads each key and value block into a ring of shared-memory stages with the
   tensor-memory accelerator (TMA), signalling an mbarrier per block; each consumer frees a stage by arriving on
@@ -45,7 +45,8 @@ except ImportError:  # no Triton, or one without Gluon
     gluon = None
 
 from .fa4 import device_capability  # a constant under torch.compile
-from .vsa_triton import (_LOG2_E, _output_like, _unit_last_stride, epilogue_args, key_block_list, row_table,
+from .vsa_block_list import key_block_list
+from .vsa_triton import (_LOG2_E, _output_like, _unit_last_stride, epilogue_args, row_table,
                          tma_applies)
 from .vsa_triton import _launch as _launch_triton
 
@@ -193,7 +194,7 @@ if gluon is not None:
     @gluon.jit
     def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, block_base,
                         k_row0, k_col, v_row0, v_col, entries, STAGES: gl.constexpr):
-        # The producer warp: key block i of the block list (vsa_triton.key_block_list) into key stage i % STAGES
+        # The producer warp: key block i of the block list (vsa_block_list.key_block_list) into key stage i % STAGES
         # once every consumer freed it, then value block i likewise (key stages free earlier: a key block is done
         # with once its scores are).
         for i in range(entries):

@@ -17,12 +17,14 @@ Fine stage: one program per (batch, head, query tile, row block of 64 tokens; 12
 rows once, then walks the selected key tiles, each in column blocks of 64 (tiles of more than 64 slots: whole
 128-slot key tiles per step ran the fine stage in 7.3 ms against 2.8 ms in blocks, H100,
 benchmarks/RESULTS.md), keeping the running row maximum, row sum and accumulator in float32 registers. It
-walks a block list (:func:`key_block_list`, one small kernel over the top-k indices): the column blocks of the
-selected tiles that hold a key, so the blocks past a partial tile's end are not loaded or multiplied, and
-programs past a partial query tile's end walk none (at the 256-slot tiling of the Wan 1.3B latent, 3.08 of
-every 4 key blocks hold a key, and 3.08 of every 4 query blocks of 64 rows a query: three fifths of the work
-remain; the fine stage ran 1.74x faster, H100). Key rows past a tile's size within a block are masked to
-``-inf``. On
+walks a block list (:mod:`~diffusers_sp.kernels.vsa_block_list`, one small kernel over the top-k indices): the
+column blocks of the selected tiles that hold a key, so the blocks past a partial tile's end are not loaded or
+multiplied, and programs past a partial query tile's end walk none (at the 256-slot tiling of the Wan 1.3B
+latent, 3.08 of every 4 key blocks hold a key, and 3.08 of every 4 query blocks of 64 rows a query: three
+fifths of the work remain; the fine stage ran 1.74x faster, H100). Key rows past a tile's size within a block
+are masked to ``-inf``. Two options cut the padding that remains inside blocks: ``short_steps`` walks the
+blocks of at most 32 or 16 keys (a partial tile's end) in steps of that many rows, after the others, and
+``small_tiles`` gives the query tiles of at most 16 or 32 tokens launches of that many rows a program. On
 Hopper and newer the query, key and value blocks are loaded by the tensor-memory accelerator (TMA) through
 Triton's host tensor descriptors (2.45 ms against 3.07 ms with ordinary loads, H200, Wan 1.3B shape);
 elsewhere by ordinary masked loads. With a gate, the epilogue adds ``coarse_out * gate`` to the normalised
@@ -51,9 +53,9 @@ try:  # host-side tensor descriptors (TMA loads on Hopper and newer): Triton 3.3
 except ImportError:
     TensorDescriptor = None
 
+from .vsa_block_list import BLOCK as _BLOCK, key_block_list
+
 _LOG2_E = 1.4426950408889634
-#: Key columns per step: key tiles of more slots are walked in column blocks of this many.
-_BLOCK = 64
 
 #: Launch configuration measured fastest on Hopper (bf16, V = 64, D = 128, top-63 of 624 tiles;
 #: benchmarks/RESULTS.md): four warps (one warpgroup), one key block per step, loaded by the tensor-memory
@@ -72,8 +74,15 @@ _BLOCK = 64
 #: with TMA, sm90).
 #: ``skip_empty_blocks``: walk only the key blocks that hold a key and skip programs without query rows (False:
 #: every block of every selected tile and every program, as before the block list; for benchmarks).
+#: ``short_steps``: row counts (32, 16) of shorter key steps: a block of at most that many keys (the end of a
+#: partial tile) is walked in a step of that many rows after the full ones (the classes of
+#: :func:`~diffusers_sp.kernels.vsa_block_list.key_block_list`) instead of in a step of 64 rows mostly masked;
+#: empty: every block in steps of 64. Needs skip_empty_blocks.
+#: ``small_tiles``: query-row counts (16, 32) of extra launches for the tiles that hold at most that many
+#: queries, where a program's rows span the whole tile (64 slots): a partial tile of 16 queries is then not
+#: multiplied as 64 rows (empty: every tile in the one launch).
 DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False, "block_m": None,
-                  "skip_empty_blocks": True}
+                  "skip_empty_blocks": True, "short_steps": (), "small_tiles": ()}
 
 
 def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int | None = None) -> bool:
@@ -264,39 +273,6 @@ def launch_blocks(tile_volume: int, use_tma: bool, config: dict | None = None) -
     return block_m, min(tile_volume, _BLOCK), stages
 
 
-def key_block_list(selected: torch.Tensor, kv_offsets: torch.Tensor, kv_sizes: torch.Tensor, tile_volume: int, *,
-                   skip_empty: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The key blocks each query tile's fine stage walks: the selected key tiles, in ``selected``'s order, each
-    cut into blocks of ``min(V, 64)`` rows, and of those only the ones that hold a key (a partial tile of the
-    packed layout ends early, so its last blocks hold none).
-
-    Args:
-        selected: Integer ``[B, H, Nq, topk]`` key-tile indices in ``[0, Nk)``, CUDA.
-        kv_offsets, kv_sizes: int32 ``[Nk]``: where each key tile starts and its token count.
-        tile_volume: ``V``.
-        skip_empty: False lists every block of every selected tile (empty ones with a key count <= 0), the
-            walk before the list existed; for benchmarks.
-
-    Returns:
-        ``(blocks, counts)``: int32 ``[B, H, Nq, topk * P, 2]`` (P blocks a tile) whose entry ``e < counts[b, h,
-        n]`` is ``(first key row, keys that count)`` of the e-th block walked, entries past the count unset; int32
-        ``[B, H, Nq]`` counts (at least 1: a tile's first block holds at least one key).
-    """
-    block_n = min(tile_volume, _BLOCK)
-    parts = tile_volume // block_n
-    selected = selected.contiguous()
-    B, H, num_q_tiles, topk = selected.shape
-    blocks = torch.empty((B, H, num_q_tiles, topk * parts, 2), device=selected.device, dtype=torch.int32)
-    counts = torch.empty((B, H, num_q_tiles), device=selected.device, dtype=torch.int32)
-    num_rows = B * H * num_q_tiles
-    width = triton.next_power_of_2(topk)
-    rows = max(1, min(16, 1024 // width))  # rows of selections a program: about 1024 entries
-    _key_blocks_kernel[(triton.cdiv(num_rows, rows),)](
-        selected, kv_offsets, kv_sizes, blocks, counts, num_rows, topk, ROWS=rows, TOPK=width, BLOCK_N=block_n,
-        PARTS=parts, SKIP_EMPTY=skip_empty, num_warps=min(8, max(4, rows * width // 256)))
-    return blocks, counts
-
-
 def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, scale, gate, coarse, config):
     """Launches the fine-stage kernel (see :func:`fine_stage_triton_packed`)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
@@ -304,25 +280,42 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     B, H, _, D = q.shape
     num_q_tiles = q_offsets.shape[0]
     out = _output_like(q)
-    blocks, counts = key_block_list(selected, kv_offsets, kv_sizes, tile_volume, skip_empty=cfg["skip_empty_blocks"])
     use_tma = cfg["tma"] and tma_applies(q, k, v)
     block_m, block_n, stages = launch_blocks(tile_volume, use_tma, cfg)
-    operands = []
-    for t, block in ((q, block_m), (k, block_n), (v, block_n)):
-        if use_tma:
-            table, coeffs = row_table(t)
-            operands += [TensorDescriptor(table, list(table.shape), list(table.stride()), [block, D]), *coeffs,
-                         t.stride(2)]
-        else:  # element [b, h, s] at row s of column offset b * stride(0) + h * stride(1)
-            operands += [t, 0, 0, t.stride(0), t.stride(1), t.stride(2)]
-    grid = (num_q_tiles * (tile_volume // block_m), B * H)
-    _vsa_fine_kernel[grid](
-        *operands, out, *out.stride()[:3], *epilogue_args(gate, coarse, out), blocks, counts, blocks.shape[-2],
-        q_offsets, q_sizes, H, num_q_tiles, scale * _LOG2_E,  # the kernel uses exp2
-        TILE=tile_volume, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma, HAS_GATE=gate is not None,
-        SKIP_EMPTY=cfg["skip_empty_blocks"], WARP_SPECIALIZE=cfg["warp_specialize"], num_warps=cfg["num_warps"],
-        num_stages=stages)
+    skip = cfg["skip_empty_blocks"]
+    short = tuple(r for r in cfg["short_steps"] if r < block_n) if skip else ()
+    blocks, counts = key_block_list(selected, kv_offsets, kv_sizes, tile_volume, skip_empty=skip, short_steps=short)
+    shorts = short + (0,) * (2 - len(short))
+    kv_operands = _operands(k, block_n, use_tma) + _operands(v, block_n, use_tma)
+    for rows in shorts:  # K and V again as descriptors of the short steps' rows (unused where 0)
+        kv_operands += [_operands(t, rows or block_n, use_tma)[0] for t in (k, v)]
+    # Launches as (query rows a program, tiles of more than `low` and at most `high` queries): one, or with
+    # small_tiles where a program spans its tile, the largest first, then one per smaller row count.
+    launches = [(block_m, 0, tile_volume)]
+    small = sorted(r for r in cfg["small_tiles"] if r < block_m) if block_m == tile_volume else []
+    if small:
+        launches = [(block_m, small[-1], tile_volume)] + [(r, low, r) for low, r in zip([0] + small[:-1], small)]
+    for rows, low, high in launches:
+        tile = tile_volume if rows == block_m else rows  # a small launch's program spans its (small) tile
+        _vsa_fine_kernel[(num_q_tiles * (tile // rows), B * H)](
+            *_operands(q, rows, use_tma), *kv_operands, out, *out.stride()[:3],
+            *epilogue_args(gate, coarse, out), blocks, counts, blocks.shape[-2], q_offsets, q_sizes, low, high, H,
+            num_q_tiles, scale * _LOG2_E,  # the kernel uses exp2
+            TILE=tile, HEAD_DIM=D, BLOCK_M=rows, BLOCK_N=block_n, SHORT_A=shorts[0], SHORT_B=shorts[1],
+            TMA=use_tma, HAS_GATE=gate is not None, SKIP_EMPTY=skip, WARP_SPECIALIZE=cfg["warp_specialize"],
+            num_warps=cfg["num_warps"], num_stages=stages)
     return out
+
+
+def _operands(t: torch.Tensor, block: int, use_tma: bool) -> list:
+    """The fine-stage kernel's six arguments for one of q, k, v: a TMA descriptor of ``block`` rows with the
+    row coefficients of :func:`row_table` and the row stride, or the tensor with its strides (ordinary loads:
+    element ``[b, h, s]`` at row ``s`` from column ``b * stride(0) + h * stride(1)``)."""
+    if use_tma:
+        table, coeffs = row_table(t)
+        return [TensorDescriptor(table, list(table.shape), list(table.stride()), [block, t.shape[-1]]), *coeffs,
+                t.stride(2)]
+    return [t, 0, 0, t.stride(0), t.stride(1), t.stride(2)]
 
 
 @torch.library.custom_op("diffusers_sp::vsa_fine_stage_triton", mutates_args=())
@@ -342,29 +335,6 @@ def _(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, 
 if triton is not None:
 
     @triton.jit
-    def _key_blocks_kernel(Sel, KOff, KSizes, Blocks, Counts, num_rows, topk, ROWS: tl.constexpr,
-                           TOPK: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, SKIP_EMPTY: tl.constexpr):
-        # One program per ROWS rows (query tiles) of Sel [num_rows, topk]: each selected tile's blocks, in order,
-        # at the running count of the blocks before them (see key_block_list).
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, TOPK)
-        ok = (rows < num_rows)[:, None] & (cols < topk)[None, :]
-        tile = tl.load(Sel + rows.to(tl.int64)[:, None] * topk + cols[None, :], mask=ok, other=0)
-        size = tl.load(KSizes + tile, mask=ok, other=0)
-        start = tl.load(KOff + tile, mask=ok, other=0)
-        if SKIP_EMPTY:
-            walked = (size + BLOCK_N - 1) // BLOCK_N
-        else:
-            walked = tl.where(ok, PARTS, 0)
-        first = tl.cumsum(walked, 1) - walked
-        entry0 = rows.to(tl.int64)[:, None] * (topk * PARTS) + first
-        for part in tl.static_range(PARTS):
-            listed = ok & (part < walked)
-            tl.store(Blocks + (entry0 + part) * 2, start + part * BLOCK_N, mask=listed)
-            tl.store(Blocks + (entry0 + part) * 2 + 1, tl.minimum(size - part * BLOCK_N, BLOCK_N), mask=listed)
-        tl.store(Counts + rows, tl.sum(walked, 1), mask=rows < num_rows)
-
-    @triton.jit
     def _key_block(K, V, block_base, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, rows, dims, TMA: tl.constexpr):
         # Key and value rows of entry `entry` of the query tile's block list, and which of them count.
         kv_start = tl.load(block_base + entry * 2)
@@ -380,26 +350,48 @@ if triton is not None:
         return k, vals, key_ok
 
     @triton.jit
+    def _walk(q, m_i, l_i, acc, K, V, block_base, first, last, k_row0, k_col, v_row0, v_col, s_k, s_v, dims,
+              scale_log2, BLOCK_N: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        # Entries [first, last) of the block list in steps of BLOCK_N key rows: the online-softmax recurrence
+        # on the running row maximum m_i, row sum l_i and accumulator acc (float32), which it returns.
+        key_rows = tl.arange(0, BLOCK_N)
+        for entry in tl.range(first, last, warp_specialize=WARP_SPECIALIZE):
+            k, vals, key_ok = _key_block(K, V, block_base, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, key_rows,
+                                         dims, TMA)
+            # Scores stay unscaled: the scale goes into exp2's argument as one fused multiply-add per score.
+            s = tl.where(key_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+            p = tl.math.exp2(s * scale_log2 - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
     def _vsa_fine_kernel(Q, q_rb, q_rh, q_cb, q_ch, s_q, K, k_rb, k_rh, k_cb, k_ch, s_k,
-                         V, v_rb, v_rh, v_cb, v_ch, s_v, Out, s_ob, s_oh, s_os,
+                         V, v_rb, v_rh, v_cb, v_ch, s_v, KA, VA, KB, VB, Out, s_ob, s_oh, s_os,
                          Gate, s_gb, s_gh, s_gs, Coarse, s_cb, s_ch, s_cn,
-                         Blocks, Counts, max_entries, QOff, QSizes, num_heads, num_q_tiles, scale_log2,
-                         TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         TMA: tl.constexpr, HAS_GATE: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-                         WARP_SPECIALIZE: tl.constexpr):
+                         Blocks, Counts, max_entries, QOff, QSizes, rows_low, rows_high, num_heads, num_q_tiles,
+                         scale_log2, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, SHORT_A: tl.constexpr, SHORT_B: tl.constexpr, TMA: tl.constexpr,
+                         HAS_GATE: tl.constexpr, SKIP_EMPTY: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         # Q, K, V: TMA descriptors of 2-D row views (TMA) or base pointers; element [b, h, s, :] of each is
-        # row (b * rb + h * rh + s), columns from (b * cb + h * ch), rows s_* elements apart.
+        # row (b * rb + h * rh + s), columns from (b * cb + h * ch), rows s_* elements apart. KA, VA and KB, VB:
+        # K and V again, as descriptors of SHORT_A and SHORT_B rows (the short steps; 0: none).
         Q_PARTS: tl.constexpr = TILE // BLOCK_M
+        CLASSES: tl.constexpr = 1 + (SHORT_A > 0) + (SHORT_B > 0)
         q_tile = tl.program_id(0) // Q_PARTS
         q_row = tl.program_id(0) % Q_PARTS * BLOCK_M
         bh = tl.program_id(1)
         b = bh // num_heads
         h = bh % num_heads
         rows = tl.arange(0, BLOCK_M)
-        key_rows = tl.arange(0, BLOCK_N)
         dims = tl.arange(0, HEAD_DIM)
         q_start = tl.load(QOff + q_tile)
         q_count = tl.load(QSizes + q_tile)
+        # This launch's query tiles: those of more than rows_low and at most rows_high queries (small_tiles).
+        active = (q_count > rows_low) & (q_count <= rows_high)
         q_first = b * q_rb + h * q_rh + q_start + q_row
         if TMA:
             q = Q.load([q_first, b * q_cb + h * q_ch])
@@ -415,28 +407,32 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        # One loop over the block list (key_block_list: the blocks holding a key, tile after tile), so that the
-        # pipeliner keeps one entry's loads per stage. A program without query rows (past a partial tile's end)
-        # walks none. Skipping changes no bit of the output: an empty block's scores are -inf, so its step
-        # rescales by exactly 1 and adds 0 (the running maximum is finite from the first entry on, every tile's
-        # first block holding a key).
-        entries = tl.load(Counts + list_row)
+        # One loop a step class over the block list (key_block_list: the blocks holding a key, tile after tile
+        # within a class), so that the pipeliner keeps one entry's loads per stage. A program without query rows
+        # (past a partial tile's end) walks none. Skipping changes no bit of the output: an empty block's scores
+        # are -inf, so its step rescales by exactly 1 and adds 0 (the running maximum is finite from the first
+        # entry on, every tile's first block holding a key). The short steps change the order of the sums, not
+        # what is summed.
+        walks = active
         if SKIP_EMPTY:
-            entries = tl.where(q_row < q_count, entries, 0)
-        for entry in tl.range(0, entries, warp_specialize=WARP_SPECIALIZE):
-            k, vals, key_ok = _key_block(K, V, block_base, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, key_rows,
-                                         dims, TMA)
-            # Scores stay unscaled: the scale goes into exp2's argument as one fused multiply-add per score.
-            s = tl.where(key_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-            p = tl.math.exp2(s * scale_log2 - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
-            m_i = m_new
+            walks = walks & (q_row < q_count)
+        ends = Counts + list_row * CLASSES
+        end = tl.where(walks, tl.load(ends), 0)
+        m_i, l_i, acc = _walk(q, m_i, l_i, acc, K, V, block_base, 0, end, k_row0, k_col, v_row0, v_col, s_k, s_v,
+                              dims, scale_log2, BLOCK_N, TMA, WARP_SPECIALIZE)
+        if SHORT_A > 0:
+            first = end
+            end = tl.where(walks, tl.load(ends + 1), 0)
+            m_i, l_i, acc = _walk(q, m_i, l_i, acc, KA, VA, block_base, first, end, k_row0, k_col, v_row0, v_col,
+                                  s_k, s_v, dims, scale_log2, SHORT_A, TMA, WARP_SPECIALIZE)
+        if SHORT_B > 0:
+            first = end
+            end = tl.where(walks, tl.load(ends + 2), 0)
+            m_i, l_i, acc = _walk(q, m_i, l_i, acc, KB, VB, block_base, first, end, k_row0, k_col, v_row0, v_col,
+                                  s_k, s_v, dims, scale_log2, SHORT_B, TMA, WARP_SPECIALIZE)
         out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
         tokens = (q_start + q_row + rows).to(tl.int64)
-        row_ok = (q_row + rows < q_count)[:, None]
+        row_ok = (q_row + rows < q_count)[:, None] & active
         if HAS_GATE:  # the reference's addcmul(fine, coarse, gate), each operand in the output dtype
             g = tl.load(Gate + b.to(tl.int64) * s_gb + h.to(tl.int64) * s_gh + tokens[:, None] * s_gs + dims[None, :],
                         mask=row_ok, other=0.0)
