@@ -370,8 +370,10 @@ def main() -> int:
     cases["fine_stage_only_triton_packed_every_block"] = lambda: vsa_triton.fine_stage_triton_packed(
         *packed[:3], selected, **packed_stage_args, config={"skip_empty_blocks": False})
     # Short key steps for the ends of partial tiles (32 / 16 rows after the 64-row steps) and, at 64 slots,
-    # launches of 16 and 32 query rows a program for the tiles of few queries; each alone and together.
-    step_variants = {"short": {"short_steps": (32, 16)}, "short32": {"short_steps": (32,)}}
+    # launches of 16 and 32 query rows a program for the tiles of few queries; each alone and together, and
+    # neither ("plain").
+    step_variants = {"plain": {"short_steps": (), "small_tiles": ()}, "short": {"short_steps": (32, 16)},
+                     "short32": {"short_steps": (32,)}}
     if layout.tile_volume == 64:
         step_variants.update({"small_tiles": {"small_tiles": (16, 32)}, "small_tiles_16": {"small_tiles": (16,)},
                          "short_small_tiles": {"short_steps": (32, 16), "small_tiles": (16, 32)}})
@@ -491,9 +493,10 @@ def main() -> int:
     packed_error = relative_error(packed_gate_out, vsa_end_to_end(with_gate=True).index_select(2, order))
     packed_dense_error = relative_error(vsa_packed(with_gate=False, sparsity=0.0), dense_out.index_select(2, order))
     # The block list (empty key blocks and query blocks skipped) against walking every block: the same bits.
-    block_list_equal = torch.equal(_with_config(vsa_triton, {"skip_empty_blocks": False},
+    block_list_equal = torch.equal(_with_config(vsa_triton, {"skip_empty_blocks": False, "short_steps": ()},
                                                 lambda: vsa_packed(with_gate=True, backend="triton")),
-                                   vsa_packed(with_gate=True, backend="triton"))
+                                   _with_config(vsa_triton, {"short_steps": ()},
+                                                lambda: vsa_packed(with_gate=True, backend="triton")))
     # The short key steps and small-tile launches against the default call (the same sums in another order).
     variant_errors = {name: relative_error(_with_config(vsa_triton, config, lambda: vsa_packed(
         with_gate=True, backend="triton")), packed_gate_out) for name, config in step_variants.items()}
