@@ -369,14 +369,9 @@ def main() -> int:
     cases["fine_stage_only_triton_packed_block_list"] = triton_packed_fine_stage_only
     cases["fine_stage_only_triton_packed_every_block"] = lambda: vsa_triton.fine_stage_triton_packed(
         *packed[:3], selected, **packed_stage_args, config={"skip_empty_blocks": False})
-    # Short key steps for the ends of partial tiles (32 / 16 rows after the 64-row steps) and, at 64 slots,
-    # launches of 16 and 32 query rows a program for the tiles of few queries; each alone and together, and
-    # neither ("plain").
-    step_variants = {"plain": {"short_steps": (), "small_tiles": ()}, "short": {"short_steps": (32, 16)},
-                     "short32": {"short_steps": (32,)}}
-    if layout.tile_volume == 64:
-        step_variants.update({"small_tiles": {"small_tiles": (16, 32)}, "small_tiles_16": {"small_tiles": (16,)},
-                         "short_small_tiles": {"short_steps": (32, 16), "small_tiles": (16, 32)}})
+    # The short key steps for the ends of partial tiles: 32 / 16 rows after the 64-row steps (the default),
+    # 32 alone, and none ("plain": every block in a step of 64 rows).
+    step_variants = {"plain": {"short_steps": ()}, "short": {"short_steps": (32, 16)}, "short32": {"short_steps": (32,)}}
     for name, config in step_variants.items():
         cases[f"fine_stage_only_triton_packed_{name}"] = (lambda c=config: vsa_triton.fine_stage_triton_packed(
             *packed[:3], selected, **packed_stage_args, config=c))
@@ -497,7 +492,7 @@ def main() -> int:
                                                 lambda: vsa_packed(with_gate=True, backend="triton")),
                                    _with_config(vsa_triton, {"short_steps": ()},
                                                 lambda: vsa_packed(with_gate=True, backend="triton")))
-    # The short key steps and small-tile launches against the default call (the same sums in another order).
+    # The short-step variants against the default call (the same sums in another order).
     variant_errors = {name: relative_error(_with_config(vsa_triton, config, lambda: vsa_packed(
         with_gate=True, backend="triton")), packed_gate_out) for name, config in step_variants.items()}
     variants_error = max(variant_errors.values())
@@ -544,7 +539,7 @@ def main() -> int:
                      "triton_tma_vs_triton_relative_error": tma_error,
                      "packed_vs_padded_with_gate_relative_error": packed_error,
                      "block_list_equals_every_block": block_list_equal,
-                     "short_steps_and_small_tiles_vs_call_relative_error": variant_errors,
+                     "short_steps_variants_vs_call_relative_error": variant_errors,
                      "packed_sparsity0_vs_dense_relative_error": packed_dense_error,
                      "coarse_kernels_vs_torch_relative_error": coarse_error,
                      "coarse_kernels_vs_torch_selection_rows_differing": selection_mismatch,
@@ -574,7 +569,7 @@ def main() -> int:
     print(f"packed vs padded (gate) {packed_error:.2e}, packed sparsity 0 vs dense {packed_dense_error:.2e}, coarse "
           f"kernels vs torch {coarse_error:.2e} (rows selecting other tiles: {selection_mismatch:.2e})")
     print(f"Gluon fine stage vs Triton {gluon_error}, whole call with it vs Triton {gluon_call_error}; block list "
-          f"equals walking every block: {block_list_equal}; short steps / small tiles vs the call: "
+          f"equals walking every block: {block_list_equal}; short-step variants vs the call: "
           + ", ".join(f"{n} {e:.2e}" for n, e in variant_errors.items()))
     print(f"accuracy: sparsity 0 vs dense relative error {error:.2e}, triton vs flex at sparsity "
           f"{args.sparsity} {backends_error:.2e}, TMA vs plain Triton {tma_error:.2e}, FA4 vs Triton {fa4_error}, "

@@ -397,9 +397,10 @@ def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
                                          ({"tma": True, "block_m": 128, "num_warps": 4, "num_stages": 3}, (4, 8, 8)),
                                          ({"tma": True}, (2, 8, 8)), ({"tma": True, "block_m": 32}, (2, 8, 8)),
                                          ({"tma": True, "short_steps": (32, 16)}, (4, 4, 4)),
-                                         ({"tma": False, "short_steps": (32, 16), "small_tiles": (16, 32)}, (4, 4, 4)),
+                                         ({"tma": False, "short_steps": (32, 16)}, (4, 4, 4)),
+                                         ({"tma": True, "short_steps": ()}, (4, 4, 4)),
                                          ({"tma": True, "short_steps": (32, 16)}, (4, 8, 8)),
-                                         ({"tma": True, "short_steps": (16,), "small_tiles": (32,)}, (4, 4, 4))],
+                                         ({"tma": True, "short_steps": (16,)}, (4, 4, 4))],
                          ids=str)
 def test_triton_fine_stage_configs_cuda(config, tile):
     """GPU-only: the fine stage at several top-k, with the tensor-descriptor (TMA) loads, which must
@@ -437,9 +438,9 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
     tile-ordered tokens held as the processor holds them (``[B, S, H, D]`` projections seen as
     ``[B, H, S, D]``, or the token-major ``[S, B, H, D]`` buffers of the collectives) equals the reference
     backend, for all query tiles and for a range of them, with and without a gate, TMA and ordinary loads; and
-    walking every key block and query block (empty ones included) gives the same bits as skipping the empty;
-    with the short key steps for the ends of partial tiles, and at 64 slots with the tiles of few queries in
-    launches of 16 and 32 rows (``short_steps``, ``small_tiles``)."""
+    walking every key block and query block (empty ones included) gives the same bits as skipping the empty
+    (both in 64-row steps); and so do the short key steps for the ends of partial tiles, (32, 16) as by
+    default, 32 or 16 alone, or none (``short_steps``)."""
     from unittest import mock
 
     from diffusers_sp.kernels import vsa_triton
@@ -476,8 +477,7 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
                                                       gate=None if gp is None else gp.float(), **args)
             assert fast.dtype == torch.bfloat16 and fast.shape == qp.shape
             torch.testing.assert_close(fast.float(), reference, rtol=2e-2, atol=2e-2)
-            for variant in ({"short_steps": (32, 16)}, {"short_steps": (32,), "small_tiles": (16, 32)},
-                            {"small_tiles": (16,)}):
+            for variant in ({"short_steps": ()}, {"short_steps": (32,)}, {"short_steps": (16,)}):
                 with mock.patch.object(vsa_triton, "DEFAULT_CONFIG",
                                        dict(vsa_triton.DEFAULT_CONFIG, **(config or {}), **variant)):
                     other = video_sparse_attention_packed(qp, kp, vp, gate=gp, backend="triton", **args)

@@ -22,9 +22,9 @@ column blocks of the selected tiles that hold a key, so the blocks past a partia
 multiplied, and programs past a partial query tile's end walk none (at the 256-slot tiling of the Wan 1.3B
 latent, 3.08 of every 4 key blocks hold a key, and 3.08 of every 4 query blocks of 64 rows a query: three
 fifths of the work remain; the fine stage ran 1.74x faster, H100). Key rows past a tile's size within a block
-are masked to ``-inf``. Two options cut the padding that remains inside blocks: ``short_steps`` walks the
-blocks of at most 32 or 16 keys (a partial tile's end) in steps of that many rows, after the others, and
-``small_tiles`` gives the query tiles of at most 16 or 32 tokens launches of that many rows a program. On
+are masked to ``-inf``. The blocks of at most 32 or 16 keys (a partial tile's end) are walked in steps of that
+many rows, after the others (``short_steps``): at the 64-slot tiling of the Wan 1.3B latent, where every tile
+is one block and a quarter of them partial, the fine stage ran 1.18x faster (H100). On
 Hopper and newer the query, key and value blocks are loaded by the tensor-memory accelerator (TMA) through
 Triton's host tensor descriptors (2.45 ms against 3.07 ms with ordinary loads, H200, Wan 1.3B shape);
 elsewhere by ordinary masked loads. With a gate, the epilogue adds ``coarse_out * gate`` to the normalised
@@ -74,15 +74,17 @@ _LOG2_E = 1.4426950408889634
 #: with TMA, sm90).
 #: ``skip_empty_blocks``: walk only the key blocks that hold a key and skip programs without query rows (False:
 #: every block of every selected tile and every program, as before the block list; for benchmarks).
-#: ``short_steps``: row counts (32, 16) of shorter key steps: a block of at most that many keys (the end of a
-#: partial tile) is walked in a step of that many rows after the full ones (the classes of
+#: ``short_steps``: row counts of shorter key steps: a block of at most that many keys (the end of a partial
+#: tile) is walked in a step of that many rows after the full ones (the classes of
 #: :func:`~diffusers_sp.kernels.vsa_block_list.key_block_list`) instead of in a step of 64 rows mostly masked;
-#: empty: every block in steps of 64. Needs skip_empty_blocks.
-#: ``small_tiles``: query-row counts (16, 32) of extra launches for the tiles that hold at most that many
-#: queries, where a program's rows span the whole tile (64 slots): a partial tile of 16 queries is then not
-#: multiplied as 64 rows (empty: every tile in the one launch).
+#: empty: every block in steps of 64. Ignored without skip_empty_blocks and at 128 rows a program. Wan 1.3B
+#: shape, H100, two runs: at 4x4x4 the fine stage 1.91-2.00 ms with (32, 16) against 1.86-2.05 with (32,) and
+#: 2.26-2.36 without, the call with the gate queued 1.87 against 1.97-2.01 and 2.34-2.38; at 4x4x8 the fine
+#: stage 1.37 / 1.47 / 1.56 ms. Launches of 16 or 32 query rows a program for the tiles of few queries were
+#: slower (fine stage 2.30-2.65 ms at 4x4x4: the extra launches and mma.sync below 64 rows cost more than the
+#: padded rows; benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False, "block_m": None,
-                  "skip_empty_blocks": True, "short_steps": (), "small_tiles": ()}
+                  "skip_empty_blocks": True, "short_steps": (32, 16)}
 
 
 def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int | None = None) -> bool:
@@ -195,7 +197,8 @@ def fine_stage_triton_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     Raises:
         ValueError: :func:`triton_applies` is false for these tensors, only one of ``gate`` and ``coarse``
-            is given, or ``config["block_m"]`` is not 16, 32, 64 or 128 or does not divide ``V``.
+            is given, ``config["block_m"]`` is not 16, 32, 64 or 128 or does not divide ``V``, or
+            ``config["short_steps"]`` is not a descending choice from (32, 16).
     """
     if not triton_applies(q, k, v, tile_volume):
         raise ValueError(triton_requirements(q, k, v, tile_volume))
@@ -283,27 +286,20 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     use_tma = cfg["tma"] and tma_applies(q, k, v)
     block_m, block_n, stages = launch_blocks(tile_volume, use_tma, cfg)
     skip = cfg["skip_empty_blocks"]
-    short = tuple(r for r in cfg["short_steps"] if r < block_n) if skip else ()
+    # Programs of 128 query rows keep one step size: with the short steps' loops they spill 1.2 KB of registers
+    # (sm_90a, offline compile).
+    short = tuple(r for r in cfg["short_steps"] if r < block_n) if skip and block_m <= _BLOCK else ()
     blocks, counts = key_block_list(selected, kv_offsets, kv_sizes, tile_volume, skip_empty=skip, short_steps=short)
     shorts = short + (0,) * (2 - len(short))
     kv_operands = _operands(k, block_n, use_tma) + _operands(v, block_n, use_tma)
     for rows in shorts:  # K and V again as descriptors of the short steps' rows (unused where 0)
         kv_operands += [_operands(t, rows or block_n, use_tma)[0] for t in (k, v)]
-    # Launches as (query rows a program, tiles of more than `low` and at most `high` queries): one, or with
-    # small_tiles where a program spans its tile, the largest first, then one per smaller row count.
-    launches = [(block_m, 0, tile_volume)]
-    small = sorted(r for r in cfg["small_tiles"] if r < block_m) if block_m == tile_volume else []
-    if small:
-        launches = [(block_m, small[-1], tile_volume)] + [(r, low, r) for low, r in zip([0] + small[:-1], small)]
-    for rows, low, high in launches:
-        tile = tile_volume if rows == block_m else rows  # a small launch's program spans its (small) tile
-        _vsa_fine_kernel[(num_q_tiles * (tile // rows), B * H)](
-            *_operands(q, rows, use_tma), *kv_operands, out, *out.stride()[:3],
-            *epilogue_args(gate, coarse, out), blocks, counts, blocks.shape[-2], q_offsets, q_sizes, low, high, H,
-            num_q_tiles, scale * _LOG2_E,  # the kernel uses exp2
-            TILE=tile, HEAD_DIM=D, BLOCK_M=rows, BLOCK_N=block_n, SHORT_A=shorts[0], SHORT_B=shorts[1],
-            TMA=use_tma, HAS_GATE=gate is not None, SKIP_EMPTY=skip, WARP_SPECIALIZE=cfg["warp_specialize"],
-            num_warps=cfg["num_warps"], num_stages=stages)
+    _vsa_fine_kernel[(num_q_tiles * (tile_volume // block_m), B * H)](
+        *_operands(q, block_m, use_tma), *kv_operands, out, *out.stride()[:3], *epilogue_args(gate, coarse, out),
+        blocks, counts, blocks.shape[-2], q_offsets, q_sizes, H, num_q_tiles, scale * _LOG2_E,  # the kernel uses exp2
+        TILE=tile_volume, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, SHORT_A=shorts[0], SHORT_B=shorts[1],
+        TMA=use_tma, HAS_GATE=gate is not None, SKIP_EMPTY=skip, WARP_SPECIALIZE=cfg["warp_specialize"],
+        num_warps=cfg["num_warps"], num_stages=stages)
     return out
 
 
@@ -372,10 +368,10 @@ if triton is not None:
     def _vsa_fine_kernel(Q, q_rb, q_rh, q_cb, q_ch, s_q, K, k_rb, k_rh, k_cb, k_ch, s_k,
                          V, v_rb, v_rh, v_cb, v_ch, s_v, KA, VA, KB, VB, Out, s_ob, s_oh, s_os,
                          Gate, s_gb, s_gh, s_gs, Coarse, s_cb, s_ch, s_cn,
-                         Blocks, Counts, max_entries, QOff, QSizes, rows_low, rows_high, num_heads, num_q_tiles,
-                         scale_log2, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, SHORT_A: tl.constexpr, SHORT_B: tl.constexpr, TMA: tl.constexpr,
-                         HAS_GATE: tl.constexpr, SKIP_EMPTY: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                         Blocks, Counts, max_entries, QOff, QSizes, num_heads, num_q_tiles, scale_log2,
+                         TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         SHORT_A: tl.constexpr, SHORT_B: tl.constexpr, TMA: tl.constexpr, HAS_GATE: tl.constexpr,
+                         SKIP_EMPTY: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         # Q, K, V: TMA descriptors of 2-D row views (TMA) or base pointers; element [b, h, s, :] of each is
         # row (b * rb + h * rh + s), columns from (b * cb + h * ch), rows s_* elements apart. KA, VA and KB, VB:
         # K and V again, as descriptors of SHORT_A and SHORT_B rows (the short steps; 0: none).
@@ -390,8 +386,6 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         q_start = tl.load(QOff + q_tile)
         q_count = tl.load(QSizes + q_tile)
-        # This launch's query tiles: those of more than rows_low and at most rows_high queries (small_tiles).
-        active = (q_count > rows_low) & (q_count <= rows_high)
         q_first = b * q_rb + h * q_rh + q_start + q_row
         if TMA:
             q = Q.load([q_first, b * q_cb + h * q_ch])
@@ -413,9 +407,9 @@ if triton is not None:
         # are -inf, so its step rescales by exactly 1 and adds 0 (the running maximum is finite from the first
         # entry on, every tile's first block holding a key). The short steps change the order of the sums, not
         # what is summed.
-        walks = active
-        if SKIP_EMPTY:
-            walks = walks & (q_row < q_count)
+        walks = q_row < q_count
+        if not SKIP_EMPTY:
+            walks = q_row >= 0
         ends = Counts + list_row * CLASSES
         end = tl.where(walks, tl.load(ends), 0)
         m_i, l_i, acc = _walk(q, m_i, l_i, acc, K, V, block_base, 0, end, k_row0, k_col, v_row0, v_col, s_k, s_v,
@@ -432,7 +426,7 @@ if triton is not None:
                                   s_k, s_v, dims, scale_log2, SHORT_B, TMA, WARP_SPECIALIZE)
         out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
         tokens = (q_start + q_row + rows).to(tl.int64)
-        row_ok = (q_row + rows < q_count)[:, None] & active
+        row_ok = (q_row + rows < q_count)[:, None]
         if HAS_GATE:  # the reference's addcmul(fine, coarse, gate), each operand in the output dtype
             g = tl.load(Gate + b.to(tl.int64) * s_gb + h.to(tl.int64) * s_gh + tokens[:, None] * s_gs + dims[None, :],
                         mask=row_ok, other=0.0)
