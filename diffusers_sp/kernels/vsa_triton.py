@@ -291,27 +291,30 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     short = tuple(r for r in cfg["short_steps"] if r < block_n) if skip and block_m <= _BLOCK else ()
     blocks, counts = key_block_list(selected, kv_offsets, kv_sizes, tile_volume, skip_empty=skip, short_steps=short)
     shorts = short + (0,) * (2 - len(short))
-    kv_operands = _operands(k, block_n, use_tma) + _operands(v, block_n, use_tma)
-    for rows in shorts:  # K and V again as descriptors of the short steps' rows (unused where 0)
-        kv_operands += [_operands(t, rows or block_n, use_tma)[0] for t in (k, v)]
+    (k_ops, k_short), (v_ops, v_short) = (_operands(t, block_n, use_tma, short) for t in (k, v))
+    # K and V again for each short step (KA, VA, KB, VB); a class that is not there gets the 64-row ones, unread.
+    short_ops = [x for pair in zip(k_short, v_short) for x in pair] + [k_ops[0], v_ops[0]] * (2 - len(short))
     _vsa_fine_kernel[(num_q_tiles * (tile_volume // block_m), B * H)](
-        *_operands(q, block_m, use_tma), *kv_operands, out, *out.stride()[:3], *epilogue_args(gate, coarse, out),
-        blocks, counts, blocks.shape[-2], q_offsets, q_sizes, H, num_q_tiles, scale * _LOG2_E,  # the kernel uses exp2
+        *_operands(q, block_m, use_tma)[0], *k_ops, *v_ops, *short_ops, out, *out.stride()[:3],
+        *epilogue_args(gate, coarse, out), blocks, counts, blocks.shape[-2], q_offsets, q_sizes, H, num_q_tiles,
+        scale * _LOG2_E,  # the kernel uses exp2
         TILE=tile_volume, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, SHORT_A=shorts[0], SHORT_B=shorts[1],
         TMA=use_tma, HAS_GATE=gate is not None, SKIP_EMPTY=skip, WARP_SPECIALIZE=cfg["warp_specialize"],
         num_warps=cfg["num_warps"], num_stages=stages)
     return out
 
 
-def _operands(t: torch.Tensor, block: int, use_tma: bool) -> list:
+def _operands(t: torch.Tensor, block: int, use_tma: bool, more_blocks: tuple[int, ...] = ()) -> tuple[list, list]:
     """The fine-stage kernel's six arguments for one of q, k, v: a TMA descriptor of ``block`` rows with the
     row coefficients of :func:`row_table` and the row stride, or the tensor with its strides (ordinary loads:
-    element ``[b, h, s]`` at row ``s`` from column ``b * stride(0) + h * stride(1)``)."""
-    if use_tma:
-        table, coeffs = row_table(t)
-        return [TensorDescriptor(table, list(table.shape), list(table.stride()), [block, t.shape[-1]]), *coeffs,
-                t.stride(2)]
-    return [t, 0, 0, t.stride(0), t.stride(1), t.stride(2)]
+    element ``[b, h, s]`` at row ``s`` from column ``b * stride(0) + h * stride(1)``); and for each of
+    ``more_blocks`` a descriptor of that many rows of the same table (the tensor itself with ordinary loads)."""
+    if not use_tma:
+        return [t, 0, 0, t.stride(0), t.stride(1), t.stride(2)], [t] * len(more_blocks)
+    table, coeffs = row_table(t)
+    descs = [TensorDescriptor(table, list(table.shape), list(table.stride()), [rows, t.shape[-1]])
+             for rows in (block, *more_blocks)]
+    return [descs[0], *coeffs, t.stride(2)], descs[1:]
 
 
 @torch.library.custom_op("diffusers_sp::vsa_fine_stage_triton", mutates_args=())
