@@ -44,9 +44,10 @@ except ImportError:  # CPU-only torch builds ship without Triton
 
 from .vsa_triton import _LOG2_E, _unit_last_stride
 
-#: Launch configuration: heads per program of the means kernel (``mean_heads``) and its warps
-#: (``mean_warps``); query tiles per program of the scores kernel (``score_rows``), key tiles per step
-#: (``score_cols``) and its pipeline stages (``score_stages``); rows of scores per program of the top-k kernel
+#: Launch configuration: heads per program of the means kernel (``mean_heads``, rounded up to a power of two:
+#: the group's heads are one load per row block) and its warps (``mean_warps``); query tiles per program of the
+#: scores kernel (``score_rows``), key tiles per step (``score_cols``), its pipeline stages (``score_stages``)
+#: and warps (``score_warps``); rows of scores per program of the top-k kernel
 #: (``select_rows``; its warps follow from the row length, one per 1024 scores, at most 8) and the bits of its
 #: radix digit (``select_bits``). The top-k kernel is bound by issuing its compares and row reductions, so one
 #: row on one warp (shuffles only, no barriers) with one-bit digits (32 steps of one count: the fewest
@@ -54,6 +55,7 @@ from .vsa_triton import _LOG2_E, _unit_last_stride
 #: against 0.46 / 0.38 at four rows and two bits, 0.64 / 0.54 at eight rows, 0.50 / 0.45 at one row and four
 #: bits (the torch path: 0.56 / 0.48; benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 4, "score_rows": 16, "score_cols": 64, "score_stages": 2,
+                  "score_warps": 4,
                   "select_rows": 1, "select_bits": 1, "select_early_exit": True}
 #: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
 MAX_SELECT_TILES = 8192
@@ -118,10 +120,12 @@ def _launch_means(tensors, q_tiles, kv_tiles, tile_volume, config=None):
     outs = [torch.empty((B, H, n, D), device=t.device, dtype=torch.float32) for t, n in zip(tensors, counts)]
     padded = (tensors + tensors[-1:] * 2)[:3]  # unused slots repeat the last tensor; no program reads them
     strides = [s for t in padded for s in t.stride()[:3]]
-    heads = min(cfg["mean_heads"], H)
+    heads = min(triton.next_power_of_2(cfg["mean_heads"]), triton.next_power_of_2(H))
+    # Rows a load: 64 for one head, fewer for a group of heads (at most 8192 elements in flight a load).
+    block = min(tile_volume, max(16, 8192 // (heads * D)))
     _tile_means_kernel[(max(counts), B * triton.cdiv(H, heads), len(tensors))](
         *padded, *strides, *(outs + outs[-1:] * 2)[:3], *q_tiles, *kv_tiles, counts[0], counts[-1], H,
-        TILE=tile_volume, HEAD_DIM=D, BLOCK=min(tile_volume, 64), HEADS=heads, num_warps=cfg["mean_warps"])
+        TILE=tile_volume, HEAD_DIM=D, BLOCK=block, HEADS=heads, num_warps=cfg["mean_warps"])
     return outs
 
 
@@ -139,7 +143,7 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
     coarse = torch.empty((B, H, num_q, D) if with_output else (0,), device=q.device, dtype=torch.float32)
     _tile_scores_kernel[(triton.cdiv(num_q, cfg["score_rows"]), B * H)](
         means[0], means[1], means[-1], scores, coarse, num_q, num_kv, scale * _LOG2_E, HEAD_DIM=D,
-        ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, num_warps=4,
+        ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, num_warps=cfg["score_warps"],
         num_stages=cfg["score_stages"])
     return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"], bits_per_step=cfg["select_bits"],
                              early_exit=cfg["select_early_exit"]), coarse
@@ -202,46 +206,49 @@ def _(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scal
 if triton is not None:
 
     @triton.jit
-    def _tile_mean(X, s_xb, s_xh, s_xs, Out, Off, Sizes, tile, b, h, num_heads, num_tiles,
-                   TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-        # The float32 sum of tile `tile`'s rows of (b, h), divided by its size, into Out[b, h, tile].
+    def _tile_mean(X, s_xb, s_xh, s_xs, Out, Off, Sizes, tile, b, group, num_heads, num_tiles,
+                   TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr):
+        # The float32 sums of tile `tile`'s rows of (b, heads group*HEADS ... + HEADS - 1), divided by its size,
+        # into Out[b, h, tile]. The group's heads are one load of [BLOCK, HEADS * HEAD_DIM]: in the model's
+        # [B, S, H, D] layout (s_xh == HEAD_DIM) that is HEADS * HEAD_DIM contiguous elements a token.
         start = tl.load(Off + tile)
         count = tl.load(Sizes + tile)
         rows = tl.arange(0, BLOCK)
-        dims = tl.arange(0, HEAD_DIM)
-        base = X + b.to(tl.int64) * s_xb + h.to(tl.int64) * s_xh
-        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        cols = tl.arange(0, HEADS * HEAD_DIM)
+        h = group * HEADS + cols // HEAD_DIM
+        dims = cols % HEAD_DIM
+        head_ok = h < num_heads
+        base = X + b.to(tl.int64) * s_xb + h.to(tl.int64) * s_xh + dims
+        acc = tl.zeros([HEADS * HEAD_DIM], dtype=tl.float32)
         for first in tl.static_range(0, TILE, BLOCK):
-            x = tl.load(base + (start + first + rows).to(tl.int64)[:, None] * s_xs + dims[None, :],
-                        mask=(first + rows < count)[:, None], other=0.0)
+            x = tl.load(base[None, :] + (start + first + rows).to(tl.int64)[:, None] * s_xs,
+                        mask=(first + rows < count)[:, None] & head_ok[None, :], other=0.0)
             acc += tl.sum(x.to(tl.float32), 0)
         row = (b * num_heads + h).to(tl.int64) * num_tiles + tile
-        tl.store(Out + row * HEAD_DIM + dims, acc / count.to(tl.float32))
+        tl.store(Out + row * HEAD_DIM + dims, acc / count.to(tl.float32), mask=head_ok)
 
     @triton.jit
     def _tile_means_kernel(Q, K, V, s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, QMean, KMean, VMean,
                            QOff, QSizes, KOff, KSizes, num_q, num_kv, num_heads,
                            TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr):
         # One program per (tile, batch and group of HEADS heads, tensor): tensor 0 is q (num_q tiles), 1 and
-        # 2 are k and v; the heads' loads are independent, so one program keeps several in flight.
+        # 2 are k and v.
         tile = tl.program_id(0)
         groups = tl.cdiv(num_heads, HEADS)
         b = tl.program_id(1) // groups
+        group = tl.program_id(1) % groups
         which = tl.program_id(2)
-        for i in tl.static_range(HEADS):
-            h = tl.program_id(1) % groups * HEADS + i
-            if h < num_heads:
-                if which == 0:
-                    if tile < num_q:
-                        _tile_mean(Q, s_qb, s_qh, s_qs, QMean, QOff, QSizes, tile, b, h, num_heads, num_q,
-                                   TILE, HEAD_DIM, BLOCK)
-                elif tile < num_kv:
-                    if which == 1:
-                        _tile_mean(K, s_kb, s_kh, s_ks, KMean, KOff, KSizes, tile, b, h, num_heads, num_kv,
-                                   TILE, HEAD_DIM, BLOCK)
-                    else:
-                        _tile_mean(V, s_vb, s_vh, s_vs, VMean, KOff, KSizes, tile, b, h, num_heads, num_kv,
-                                   TILE, HEAD_DIM, BLOCK)
+        if which == 0:
+            if tile < num_q:
+                _tile_mean(Q, s_qb, s_qh, s_qs, QMean, QOff, QSizes, tile, b, group, num_heads, num_q,
+                           TILE, HEAD_DIM, BLOCK, HEADS)
+        elif tile < num_kv:
+            if which == 1:
+                _tile_mean(K, s_kb, s_kh, s_ks, KMean, KOff, KSizes, tile, b, group, num_heads, num_kv,
+                           TILE, HEAD_DIM, BLOCK, HEADS)
+            else:
+                _tile_mean(V, s_vb, s_vh, s_vs, VMean, KOff, KSizes, tile, b, group, num_heads, num_kv,
+                           TILE, HEAD_DIM, BLOCK, HEADS)
 
     @triton.jit
     def _tile_scores_kernel(QMean, KMean, VMean, Scores, Coarse, num_q, num_kv, scale_log2,
