@@ -239,6 +239,14 @@ def test_packed_triton_path_on_stand_ins():
         fast = video_sparse_attention_packed(qp, kp, vp, backend="triton", **args)
     assert (calls["vsa_triton"], calls["vsa_coarse"]) == (1, 1), dict(calls)
     torch.testing.assert_close(fast, reference, rtol=0, atol=1e-6)
+    # The tile offsets given by the caller (as the VSA processor's tile plan gives them) reach the kernels.
+    sizes32 = layout.block_sizes.to(torch.int32)
+    with stand_in_kernels() as calls:
+        given = video_sparse_attention_packed(qp, kp, vp, backend="triton", q_block_offsets=packed_offsets(
+            sizes32[3:30]), kv_block_offsets=packed_offsets(sizes32), **dict(args, q_block_sizes=sizes32[3:30],
+                                                                             kv_block_sizes=sizes32))
+    assert calls["vsa_triton"] == 1
+    torch.testing.assert_close(given, fast, rtol=0, atol=0)
 
 
 def test_packed_errors():
@@ -254,6 +262,17 @@ def test_packed_errors():
         video_sparse_attention_packed(q, k, v, gate=q[:, :1], **ok)
     with pytest.raises(ValueError, match="backend='triton'"):
         video_sparse_attention_packed(q, k, v, backend="triton", **ok)
+    offsets = packed_offsets(sizes)
+    for bad, match in ((offsets[1:], "integer tensor of the block sizes' shape"),
+                       (offsets.float(), "integer tensor of the block sizes' shape"),
+                       (offsets + 1, "exclusive running sum"), (torch.cumsum(sizes, 0), "exclusive running sum")):
+        with pytest.raises(ValueError, match=match):
+            video_sparse_attention_packed(q, k, v, q_block_offsets=bad, **ok)
+        with pytest.raises(ValueError, match=match):
+            video_sparse_attention_packed(q, k, v, kv_block_offsets=bad, **ok)
+    plain = video_sparse_attention_packed(q, k, v, **ok)
+    torch.testing.assert_close(video_sparse_attention_packed(q, k, v, q_block_offsets=offsets,
+                                                             kv_block_offsets=offsets.long(), **ok), plain)
 
 
 def test_reference_backend_gradients():
@@ -466,6 +485,12 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
             gp = None if g is None else held(_packed(g, layout, start, end))
             with mock.patch.object(vsa_triton, "DEFAULT_CONFIG", dict(vsa_triton.DEFAULT_CONFIG, **(config or {}))):
                 fast = video_sparse_attention_packed(qp, kp, vp, gate=gp, backend="triton", **args)
+                sizes32 = [args[n].to(torch.int32) for n in ("q_block_sizes", "kv_block_sizes")]
+                given = video_sparse_attention_packed(  # int32 sizes and offsets given, as the tile plan gives them
+                    qp, kp, vp, gate=gp, backend="triton", **dict(args, q_block_sizes=sizes32[0],
+                                                                  kv_block_sizes=sizes32[1]),
+                    q_block_offsets=packed_offsets(sizes32[0]), kv_block_offsets=packed_offsets(sizes32[1]))
+            assert torch.equal(given, fast), "the given tile offsets changed the result"
             # The block list in 64-row steps (the order of the walk over every block) and every block walked.
             one_step = dict(vsa_triton.DEFAULT_CONFIG, **(config or {}), short_steps=())
             with mock.patch.object(vsa_triton, "DEFAULT_CONFIG", one_step):

@@ -164,7 +164,8 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 def video_sparse_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, tile_volume: int,
                                   q_block_sizes: torch.Tensor, kv_block_sizes: torch.Tensor, sparsity: float,
                                   gate: torch.Tensor | None = None, scale: float | None = None,
-                                  backend: str = "auto") -> torch.Tensor:
+                                  backend: str = "auto", q_block_offsets: torch.Tensor | None = None,
+                                  kv_block_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """VSA (arXiv 2505.13389) on tile-ordered tokens without padding: the tiles of
     :func:`video_sparse_attention`, each holding only its valid tokens, one after the other.
 
@@ -185,24 +186,33 @@ def video_sparse_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             :func:`~diffusers_sp.kernels.vsa_triton.triton_applies`, with the Gluon fine stage where
             :func:`~diffusers_sp.kernels.vsa_gluon.gluon_preferred`, else ``video_sparse_attention``'s choice).
         gate: None or ``[B, H, Sq, D]``, the per-token weight of the coarse output.
+        q_block_offsets, kv_block_offsets: None, or integer ``[Nq]`` / ``[Nk]`` tensors on the sizes' device:
+            where each tile starts in q / k, the exclusive running sum of the sizes (:func:`packed_offsets`).
+            For callers that make many calls on one layout (the VSA processor builds them once per tile plan:
+            int32 sizes and offsets on the device spare the Triton path its per-call conversions and running
+            sums); None computes them. Checked against the sizes where both are on the CPU, else trusted.
 
     Returns:
         ``[B, H, Sq, D]`` in q's dtype (Triton: a view of a token-major ``[Sq, B, H, D]`` buffer).
 
     Raises:
         ValueError: tensors not 4-D or with mismatched batch / heads / D / dtype / device, block sizes of the
-            wrong length, dtype or sum, a gate of the wrong shape, ``sparsity`` outside ``[0, 1)``, an unknown
-            backend, or a backend that cannot run on these tensors.
+            wrong length, dtype or sum, block offsets that are not the sizes' running sum, a gate of the wrong
+            shape, ``sparsity`` outside ``[0, 1)``, an unknown backend, or a backend that cannot run on these
+            tensors.
     """
     _validate_packed(q, k, v, tile_volume, q_block_sizes, kv_block_sizes, gate, backend)
+    _validate_offsets(q_block_sizes, q_block_offsets, "q_block_offsets")
+    _validate_offsets(kv_block_sizes, kv_block_offsets, "kv_block_offsets")
     _check_sparsity(sparsity)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if backend in ("auto", "triton", "gluon") and triton_applies(q, k, v, tile_volume):
         gluon = backend == "gluon" or (backend == "auto" and gluon_preferred(q, k, v, tile_volume))
         q_sizes = q_block_sizes.to(device=q.device, dtype=torch.int32)
         kv_sizes = kv_block_sizes.to(device=q.device, dtype=torch.int32)
-        return _triton_vsa(q, k, v, q_tiles=(packed_offsets(q_sizes), q_sizes),
-                           kv_tiles=(packed_offsets(kv_sizes), kv_sizes), q_rows=q_sizes, tile_volume=tile_volume,
+        q_offsets, kv_offsets = (packed_offsets(sizes) if given is None else given.to(q.device, torch.int32)
+                                 for sizes, given in ((q_sizes, q_block_offsets), (kv_sizes, kv_block_offsets)))
+        return _triton_vsa(q, k, v, q_tiles=(q_offsets, q_sizes), kv_tiles=(kv_offsets, kv_sizes), q_rows=q_sizes, tile_volume=tile_volume,
                            sparsity=sparsity, gate=gate, scale=scale, fine_kernel="gluon" if gluon else "triton")
     if backend == "triton":
         raise ValueError(f"backend='triton': {triton_requirements(q, k, v, tile_volume)}. Use backend='reference', "
@@ -420,6 +430,19 @@ def _validate_packed(q, k, v, tile_volume, q_block_sizes, kv_block_sizes, gate, 
         raise ValueError(f"gate must have q's shape {tuple(q.shape)}, got {tuple(gate.shape)}")
     if backend == "gluon":
         _check_gluon(q, k, v, int(tile_volume))
+
+
+def _validate_offsets(sizes: torch.Tensor, offsets: torch.Tensor | None, name: str) -> None:
+    if offsets is None:
+        return
+    if offsets.shape != sizes.shape or offsets.is_floating_point() or offsets.is_complex() or \
+            offsets.dtype == torch.bool or offsets.device != sizes.device:
+        raise ValueError(f"{name} must be an integer tensor of the block sizes' shape {tuple(sizes.shape)} on their "
+                         f"device {sizes.device}, got {offsets.dtype} {tuple(offsets.shape)} on {offsets.device}")
+    if sizes.device.type == "cpu" and not torch.compiler.is_compiling() and \
+            not torch.equal(offsets.to(torch.int32), packed_offsets(sizes)):
+        raise ValueError(f"{name} must be the exclusive running sum of the block sizes (packed_offsets), got "
+                         f"{offsets[:8].tolist()}... for sizes {sizes[:8].tolist()}...")
 
 
 def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -> None:

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from diffusers.hooks import ModelHook
 
+from ..kernels.tiles import packed_offsets
 from ..kernels.vsa import make_tile_layout, video_sparse_attention_packed
 from ..shards import TokenOrder, balanced_sizes
 from ..errors import SequenceParallelConfigError
@@ -59,6 +60,9 @@ class TilePlan:
         block_sizes: ``LongTensor [N]`` valid tokens per tile, on the device.
         chunk_ranges: Per Ulysses group of a hybrid mesh (``ulysses_degree`` consecutive ranks), the
             ``(start, end)`` of its tiles: its ranks' ranges joined.
+        packed: Per tile range an attention call runs on (every rank's range, every chunk and all tiles),
+            ``(start, end) -> (sizes, offsets)``: int32 ``[end - start]`` on the device, the range's valid tokens
+            per tile and where each starts in it. Made once, so no call converts sizes or sums them again.
 
     The tokens of a rank (and of a chunk) are its tiles' valid tokens, tile after tile: the packed layout of
     :func:`~diffusers_sp.kernels.vsa.video_sparse_attention_packed`, which attention reads as it is.
@@ -69,6 +73,14 @@ class TilePlan:
     order: TokenOrder
     block_sizes: torch.Tensor
     chunk_ranges: tuple = ()
+    packed: dict = field(default_factory=dict)
+
+    def packed_tiles(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int32 ``(sizes, offsets)`` of tiles ``[start, end)`` on the device (see ``packed``)."""
+        if (start, end) not in self.packed:
+            sizes = self.block_sizes[start:end].to(torch.int32)
+            return sizes, packed_offsets(sizes)
+        return self.packed[(start, end)]
 
 
 # A constant while torch.compile traces (the plan's index tensors enter the graph as constants): the
@@ -109,8 +121,11 @@ def _build_tile_plan(grid, tile, world_size, device, ulysses_degree=1) -> TilePl
     order = TokenOrder(perm=perm.to(device), inverse=torch.argsort(perm).to(device), sizes=sizes)
     U = ulysses_degree
     chunks = tuple((ranges[o * U][0], ranges[o * U + U - 1][1]) for o in range(world_size // U))
+    sizes32 = layout.block_sizes.to(device, torch.int32)
+    packed = {(s, e): (sizes32[s:e], packed_offsets(sizes32[s:e]))
+              for s, e in set(ranges) | set(chunks) | {(0, layout.num_tiles)}}
     return TilePlan(layout=layout, ranges=ranges, order=order, block_sizes=layout.block_sizes.to(device),
-                    chunk_ranges=chunks)
+                    chunk_ranges=chunks, packed=packed)
 
 
 def load_gate_weights(path: str | os.PathLike, num_layers: int, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -215,20 +230,23 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
         if self.sp_mode == "kv_gather" or group.world_size == 1:
             start, end = plan.ranges[group.rank]
             k, v = gather_kv(key, value, sizes, group)
-            return self._vsa(query, k, v, self._gate, plan, plan.block_sizes[start:end], scale)
+            return self._vsa(query, k, v, self._gate, plan, (start, end), scale)
         tensors = [query, key, value] + ([] if self._gate is None else [self._gate])
         if self.sp_mode == "hybrid":
             return self._hybrid(tensors, sizes, plan, scale)
         full = scatter_heads(tensors, sizes, group)  # [B, h_r, S, D] each, tile order
-        out = self._vsa(*full[:3], full[3] if len(full) > 3 else None, plan, plan.block_sizes, scale)
+        out = self._vsa(*full[:3], full[3] if len(full) > 3 else None, plan, (0, plan.layout.num_tiles), scale)
         joined = gather_heads(out, sizes, group, num_heads=query.shape[1])  # [S_r, B, H, D]
         return joined.permute(1, 2, 0, 3)
 
-    def _vsa(self, query, key, value, gate, plan: TilePlan, q_block_sizes, scale):
-        """VSA of packed tile-ordered queries (the tiles of ``q_block_sizes``) over every key tile."""
+    def _vsa(self, query, key, value, gate, plan: TilePlan, q_range, scale):
+        """VSA of packed tile-ordered queries (the tiles ``q_range = (start, end)``) over every key tile."""
+        q_sizes, q_offsets = plan.packed_tiles(*q_range)
+        kv_sizes, kv_offsets = plan.packed_tiles(0, plan.layout.num_tiles)
         return video_sparse_attention_packed(
-            query, key, value, tile_volume=plan.layout.tile_volume, q_block_sizes=q_block_sizes,
-            kv_block_sizes=plan.block_sizes, sparsity=self.sparsity, gate=gate, scale=scale, backend=self.backend)
+            query, key, value, tile_volume=plan.layout.tile_volume, q_block_sizes=q_sizes, kv_block_sizes=kv_sizes,
+            sparsity=self.sparsity, gate=gate, scale=scale, backend=self.backend, q_block_offsets=q_offsets,
+            kv_block_offsets=kv_offsets)
 
     def _hybrid(self, tensors, sizes, plan: TilePlan, scale):
         """VSA over a :class:`~diffusers_sp.groups.HybridMesh` (module docstring): ``tensors`` are Q, K, V
@@ -238,8 +256,7 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
         chunk = scatter_heads(tensors, inner_sizes, mesh.ulysses)  # [B, h_u, S_o, D]: the inner group's tiles
         k, v = gather_kv(chunk[1], chunk[2], outer_sizes, mesh.kv_gather)  # [B, h_u, S, D]: every tile
         start, end = plan.chunk_ranges[mesh.kv_gather.rank]
-        out = self._vsa(chunk[0], k, v, chunk[3] if len(chunk) > 3 else None, plan, plan.block_sizes[start:end],
-                           scale)
+        out = self._vsa(chunk[0], k, v, chunk[3] if len(chunk) > 3 else None, plan, (start, end), scale)
         joined = gather_heads(out, inner_sizes, mesh.ulysses, num_heads=tensors[0].shape[1])
         return joined.permute(1, 2, 0, 3)
 
