@@ -55,8 +55,8 @@ TILE = (4, 4, 4)
 HEADS, HEAD_DIM, BATCH = 12, 128, 1
 ACCURACY_LIMIT = 1e-2
 #: Cases whose host time per call is also measured (:func:`time_host_ms`).
-HOST_TIMED = ("vsa_zero_gate_packed", "vsa_random_gate_packed", "coarse_stage_and_topk_packed",
-              "fine_stage_only_triton")
+HOST_TIMED = ("vsa_zero_gate_packed", "vsa_random_gate_packed", "vsa_random_gate_packed_plan",
+              "coarse_stage_and_topk_packed", "fine_stage_only_triton")
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
@@ -290,6 +290,14 @@ def main() -> int:
                                              kv_block_sizes=block_sizes, sparsity=sparsity,
                                              gate=packed[3] if with_gate else None, backend=backend)
 
+    # As the VSA processor calls it: int32 sizes and offsets made once (the tile plan's), not per call.
+    plan_tiles = dict(q_block_sizes=block_sizes.to(torch.int32), kv_block_sizes=block_sizes.to(torch.int32),
+                      q_block_offsets=vsa.packed_offsets(block_sizes), kv_block_offsets=vsa.packed_offsets(block_sizes))
+
+    def vsa_packed_plan(with_gate):
+        return video_sparse_attention_packed(*packed[:3], tile_volume=layout.tile_volume, sparsity=args.sparsity,
+                                             gate=packed[3] if with_gate else None, **plan_tiles)
+
     def vsa_end_to_end(with_gate, backend="triton"):
         tiled = [tile_tokens(x, layout, dim=2) for x in (q, k, v)]
         gate_tiled = tile_tokens(gate, layout, dim=2) if with_gate else None
@@ -350,6 +358,7 @@ def main() -> int:
         "dense_sdpa_flash": lambda: dense(SDPBackend.FLASH_ATTENTION),
         "vsa_zero_gate_packed": lambda: vsa_packed(with_gate=False),
         "vsa_random_gate_packed": lambda: vsa_packed(with_gate=True),
+        "vsa_random_gate_packed_plan": lambda: vsa_packed_plan(with_gate=True),
         "coarse_stage_and_topk_packed": coarse_packed,
         "coarse_stage_and_topk_packed_torch": coarse_packed_torch,
         "vsa_zero_gate_end_to_end": lambda: vsa_end_to_end(with_gate=False),
