@@ -54,8 +54,8 @@ from .vsa_triton import _LOG2_E, _unit_last_stride
 #: compares) ran fastest: at 624 key tiles on an H100 the coarse stage took 0.35 / 0.30 ms synced / queued,
 #: against 0.46 / 0.38 at four rows and two bits, 0.64 / 0.54 at eight rows, 0.50 / 0.45 at one row and four
 #: bits (the torch path: 0.56 / 0.48; benchmarks/RESULTS.md).
-DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 4, "score_rows": 16, "score_cols": 64, "score_stages": 2,
-                  "score_warps": 4,
+DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 2, "score_rows": 16, "score_cols": 64, "score_stages": 2,
+                  "score_warps": 4, "output_precision": "tf32x3",
                   "select_rows": 1, "select_bits": 1, "select_early_exit": True}
 #: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
 MAX_SELECT_TILES = 8192
@@ -143,7 +143,8 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
     coarse = torch.empty((B, H, num_q, D) if with_output else (0,), device=q.device, dtype=torch.float32)
     _tile_scores_kernel[(triton.cdiv(num_q, cfg["score_rows"]), B * H)](
         means[0], means[1], means[-1], scores, coarse, num_q, num_kv, scale * _LOG2_E, HEAD_DIM=D,
-        ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, num_warps=cfg["score_warps"],
+        ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, OUT_PRECISION=cfg["output_precision"],
+        num_warps=cfg["score_warps"],
         num_stages=cfg["score_stages"])
     return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"], bits_per_step=cfg["select_bits"],
                              early_exit=cfg["select_early_exit"]), coarse
@@ -252,7 +253,8 @@ if triton is not None:
 
     @triton.jit
     def _tile_scores_kernel(QMean, KMean, VMean, Scores, Coarse, num_q, num_kv, scale_log2,
-                            HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, HAS_OUT: tl.constexpr):
+                            HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, HAS_OUT: tl.constexpr,
+                            OUT_PRECISION: tl.constexpr):
         # One program per (block of ROWS query tiles, batch * head); means are contiguous [B, H, N, D].
         bh = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -277,7 +279,7 @@ if triton is not None:
                 alpha = tl.math.exp2(m_i - m_new)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 vm = tl.load(VMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p, vm, input_precision="tf32x3")
+                acc = acc * alpha[:, None] + tl.dot(p, vm, input_precision=OUT_PRECISION)
                 m_i = m_new
         if HAS_OUT:
             tl.store(Coarse + q_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
