@@ -435,13 +435,15 @@ def main() -> int:
         for warps, stages in ((4, 2), (8, 3)):  # Triton's warp specialisation of the key loop
             cfg = {"tma": True, "num_warps": warps, "num_stages": stages, "warp_specialize": True}
             cases[f"triton_tma_ws_w{warps}_s{stages}"] = (lambda c=cfg: triton_fine_stage_only(c))
+    coarse_configs = {}
     if args.sweep or args.sweep_coarse:  # the coarse stage's launch configurations, alone and in the packed call
-        coarse_configs = {"r32_c64_s2": {"score_rows": 32}, "r16_c32_s3": {"score_cols": 32, "score_stages": 3},
-                          "select2": {"select_rows": 2}, "select4": {"select_rows": 4},
-                          "select1_bits2": {"select_bits": 2}, "select4_bits2": {"select_rows": 4, "select_bits": 2},
-                          "select8_bits2": {"select_rows": 8, "select_bits": 2}, "select1_bits4": {"select_bits": 4},
-                          "means_w2": {"mean_warps": 2}, "means_h4": {"mean_heads": 4},
-                          "means_h12": {"mean_heads": 12}, "means_h4_w8": {"mean_heads": 4, "mean_warps": 8},
+        coarse_configs = {"means_w1": {"mean_warps": 1}, "means_w4": {"mean_warps": 4}, "means_w8": {"mean_warps": 8},
+                          "means_h2": {"mean_heads": 2}, "means_h4_w4": {"mean_heads": 4, "mean_warps": 4},
+                          "scores_w8": {"score_warps": 8}, "scores_c32": {"score_cols": 32},
+                          "scores_c32_s3": {"score_cols": 32, "score_stages": 3}, "scores_r32_w8": {"score_rows": 32,
+                                                                                               "score_warps": 8},
+                          "scores_s1": {"score_stages": 1}, "output_tf32": {"output_precision": "tf32"},
+                          "select2": {"select_rows": 2}, "select1_bits2": {"select_bits": 2},
                           "select_full_radix": {"select_early_exit": False}}
         for label, cfg in coarse_configs.items():
             cases[f"coarse_{label}"] = (lambda c=cfg: coarse_packed(c))
@@ -543,6 +545,10 @@ def main() -> int:
         "tflops_note": "dense: 4*B*H*S^2*D; vsa: fine-stage FLOPs 4*B*H*(N*V)*(topk*V)*D",
         "results": results,
         "profile_packed_random_gate": profile_call(lambda: vsa_packed(with_gate=True)) if args.profile else None,
+        # Device time per coarse-stage kernel at each swept launch configuration (with --profile).
+        "profile_coarse_configs": {label: profile_call(lambda c=cfg: coarse_packed(c))
+                                   for label, cfg in {"default": {}, **coarse_configs}.items()} if args.profile and
+        coarse_configs else None,
         "accuracy": {"check": "vsa(sparsity=0, gate=None) vs dense SDPA, relative Frobenius error",
                      "relative_error": error, "triton_vs_flex_relative_error": backends_error,
                      "triton_tma_vs_triton_relative_error": tma_error,
@@ -575,6 +581,8 @@ def main() -> int:
         print(f"{name:32s} {r['ms']:9.3f} {r['tflops']:9.1f} {ratios}{queued}")
     for row in report["profile_packed_random_gate"] or []:
         print(f"  profile: {row['cuda_ms']:8.3f} ms x{row['calls']:<3d} {row['kernel'][:90]}")
+    for label, rows in (report["profile_coarse_configs"] or {}).items():
+        print(f"  coarse {label:18s} " + ", ".join(f"{r['kernel'][:20]} {r['cuda_ms']:.4f}" for r in rows))
     print(f"packed vs padded (gate) {packed_error:.2e}, packed sparsity 0 vs dense {packed_dense_error:.2e}, coarse "
           f"kernels vs torch {coarse_error:.2e} (rows selecting other tiles: {selection_mismatch:.2e})")
     print(f"Gluon fine stage vs Triton {gluon_error}, whole call with it vs Triton {gluon_call_error}; block list "
