@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from diffusers_sp import SequenceParallelConfigError, enable_sequence_parallel
-from diffusers_sp.processors.vsa import load_gate_weights
+from diffusers_sp.kernels.tiles import packed_offsets
+from diffusers_sp.processors.vsa import load_gate_weights, tile_plan
 from diffusers_sp.tiny_models import tiny_wan_transformer
 from distributed import FLOAT32_TOL as TOL, assert_close, run_cases, values
 
@@ -98,6 +99,23 @@ def test_vsa_options_need_mode_vsa_and_handle_reports_sp_mode():
     handle = enable_sequence_parallel(model, mode="vsa", vsa_sp_mode="ulysses")
     assert (handle.mode, handle.sp_mode) == ("vsa", "ulysses")
     handle.disable()
+
+
+@pytest.mark.parametrize("world_size,ulysses_degree", [(3, 1), (4, 2), (1, 1)])
+def test_tile_plan_holds_the_int32_tiles_of_every_range_a_call_runs_on(world_size, ulysses_degree):
+    """The tile plan holds int32 sizes and offsets for every rank's range, every Ulysses chunk and all tiles (the
+    ranges the processor's calls run on), equal to the layout's sizes and their exclusive running sum; another
+    range is computed on demand."""
+    plan = tile_plan((5, 6, 7), (2, 2, 2), world_size, ulysses_degree=ulysses_degree)
+    num_tiles = plan.layout.num_tiles
+    wanted = set(plan.ranges) | set(plan.chunk_ranges) | {(0, num_tiles)}
+    assert set(plan.packed) == wanted and len(plan.ranges) == world_size
+    for start, end in wanted | {(1, 5)}:
+        sizes, offsets = plan.packed_tiles(start, end)
+        assert sizes.dtype == offsets.dtype == torch.int32
+        assert torch.equal(sizes, plan.layout.block_sizes[start:end].to(torch.int32))
+        assert torch.equal(offsets, packed_offsets(plan.layout.block_sizes[start:end]))
+        assert int(offsets[0]) == 0
 
 
 def test_handle_reports_the_vsa_backend():
