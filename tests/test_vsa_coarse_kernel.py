@@ -95,7 +95,7 @@ def test_triton_coarse_stage_cuda(tile, head_dim, sparsity):
     layout of the model, all query tiles and a range of them: the selected key tiles are the top-k of
     torch's float32 products of the same means (as sets; increasing and distinct), and the coarse output is
     ``softmax(scale * products) @ v_means``."""
-    from diffusers_sp.kernels.vsa_coarse_triton import coarse_stage_triton, tile_means_triton
+    from diffusers_sp.kernels.vsa_coarse_triton import _launch_coarse, coarse_stage_triton, tile_means_triton
 
     layout = make_tile_layout((5, 10, 9) if tile[1] < 8 else (9, 20, 18), tile)
     gen = torch.Generator().manual_seed(21)
@@ -122,6 +122,15 @@ def test_triton_coarse_stage_cuda(tile, head_dim, sparsity):
             if with_output:
                 expected = torch.softmax(products * scale, dim=-1) @ v_mean.double()
                 torch.testing.assert_close(coarse.double(), expected, rtol=1e-5, atol=1e-5)
+                # The coarse output's product in one TF32 pass (an option): the same selection, the output
+                # within TF32's rounding of the probabilities and value means.
+                q_offsets = packed_offsets(q_sizes)
+                sel_tf32, coarse_tf32 = _launch_coarse(qp, kp, vp, q_offsets, q_sizes, offsets, sizes,
+                                                       layout.tile_volume, topk, scale, True,
+                                                       {"output_precision": "tf32"})
+                assert torch.equal(sel_tf32, selected)
+                error = ((coarse_tf32.double() - expected).norm() / expected.norm()).item()
+                assert 0 < error < 2e-3, error
             else:
                 assert coarse is None
 
