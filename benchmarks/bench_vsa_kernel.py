@@ -44,7 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from diffusers_sp.kernels import fa4, vsa  # noqa: E402
-from diffusers_sp.kernels import vsa_coarse_triton, vsa_gluon, vsa_triton  # noqa: E402
+from diffusers_sp.kernels import vsa_coarse_triton, vsa_flex, vsa_gluon, vsa_triton  # noqa: E402
 from diffusers_sp.kernels.vsa import (  # noqa: E402
     make_tile_layout, tile_range_tokens, tile_tokens, untile_tokens, video_sparse_attention,
     video_sparse_attention_packed, vsa_topk)
@@ -306,12 +306,12 @@ def main() -> int:
     # The fine stage alone: the selection and BlockMask are built once, outside the timing.
     scores = vsa._tile_means(qt, block_sizes) @ vsa._tile_means(kt, block_sizes).transpose(-1, -2)
     selected = scores.topk(topk, dim=-1).indices
-    block_mask = vsa._selection_block_mask(selected, block_sizes, layout.tile_volume)
+    block_mask = vsa_flex.selection_block_mask(selected, block_sizes, layout.tile_volume)
     flat = [x.flatten(2, 3) for x in (qt, kt, vt)]
-    kernel_options = vsa._flex_kernel_options(layout.tile_volume, HEAD_DIM, qt.element_size())
+    kernel_options = vsa_flex.flex_kernel_options(layout.tile_volume, HEAD_DIM, qt.element_size())
 
     def fine_stage_only():
-        return vsa._compiled_flex_attention()(*flat, block_mask=block_mask, kernel_options=kernel_options)
+        return vsa_flex.compiled_flex_attention()(*flat, block_mask=block_mask, kernel_options=kernel_options)
 
     scale = HEAD_DIM ** -0.5
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusers_sp.kernels import vsa
+from diffusers_sp.kernels import vsa, vsa_flex
 from diffusers_sp.kernels.vsa import (
     make_tile_layout,
     tile_range_tokens,
@@ -333,7 +333,7 @@ def test_tile_shape_errors():
 
 # --- flex backend ------------------------------------------------------------------------------
 
-@pytest.mark.skipif(vsa.BlockMask is None, reason="torch without flex_attention")
+@pytest.mark.skipif(vsa_flex.BlockMask is None, reason="torch without flex_attention")
 def test_flex_block_mask_encodes_the_selection():
     """CPU check of the flex path's BlockMask: full blocks are exactly the selected whole tiles,
     mask_mod blocks exactly the selected partial tiles, and mask_mod keeps their valid slots."""
@@ -342,7 +342,7 @@ def test_flex_block_mask_encodes_the_selection():
     gen = torch.Generator().manual_seed(0)
     selected = torch.stack([torch.randperm(num_tiles, generator=gen)[:topk]
                             for _ in range(batch * heads * num_tiles)]).view(batch, heads, num_tiles, topk)
-    block_mask = vsa._selection_block_mask(selected, layout.block_sizes, V)
+    block_mask = vsa_flex.selection_block_mask(selected, layout.block_sizes, V)
     assert block_mask.BLOCK_SIZE == (V, V)
     assert tuple(block_mask.seq_lengths) == (num_tiles * V, num_tiles * V)
 

@@ -26,17 +26,11 @@ K/V-gather path): pass its query tiles and all key tiles.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-try:
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # torch without flex_attention
-    BlockMask = None
-    flex_attention = None
 
 from .fa4 import fa4_block_sparse_applies, fa4_block_sparse_fine_stage
 # The tile layout and block lists live in .tiles (shared with the FA4 backend); re-exported here, where
@@ -44,6 +38,7 @@ from .fa4 import fa4_block_sparse_applies, fa4_block_sparse_fine_stage
 from .tiles import (TileLayout, _check_sparsity, block_lists, make_tile_layout, packed_offsets, packed_slots,
                     pad_tiles, tile_range_tokens, tile_tokens, unpad_tiles, untile_tokens, vsa_topk)
 from .vsa_coarse_triton import coarse_stage_triton
+from .vsa_flex import fine_stage_flex, flex_applies
 from .vsa_gluon import fine_stage_gluon_packed, gluon_applies, gluon_preferred, gluon_requirements
 from .vsa_triton import fine_stage_triton_packed, padded_tiles, triton_applies, triton_requirements
 
@@ -61,7 +56,6 @@ BACKENDS = ("auto", "reference", "flex", "triton", "gluon", "fa4")
 # vsa_gluon.gluon_preferred says so; its coarse stage is the Triton backend's). The packed API follows the same
 # order.
 AUTO_ORDER = ("gluon", "triton", "flex", "fa4", "reference")
-_FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Upper bound on the elements (scores plus gathered keys and values) that one chunk of query tiles
 # may materialise in the reference fine stage.
@@ -150,7 +144,7 @@ def video_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if backend == "fa4":
         out = fa4_block_sparse_fine_stage(q, k, v, selected, kv_block_sizes, scale)
     elif backend == "flex":
-        out = _fine_stage_flex(q, k, v, selected, kv_block_sizes, scale)
+        out = fine_stage_flex(q, k, v, selected, kv_block_sizes, scale)
     else:
         out = _fine_stage_reference(q, k, v, selected, kv_block_sizes, scale)
 
@@ -253,7 +247,7 @@ def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
                "gluon": lambda: triton_applies(q, k, v) and gluon_preferred(  # padded tiles read as packed ones
                    *(t.flatten(2, 3) for t in (q, k, v)), q.shape[3]),
                "triton": lambda: triton_applies(q, k, v),
-               "flex": lambda: _flex_applies(q, k, v),
+               "flex": lambda: flex_applies(q, k, v),
                "reference": lambda: True}
     return next(name for name in AUTO_ORDER if applies[name]())
 
@@ -293,101 +287,6 @@ def _fine_stage_reference(q, k, v, selected, kv_block_sizes, scale):
         out = F.scaled_dot_product_attention(q_chunk, k_sel, v_sel, attn_mask=key_mask, scale=scale)
         outputs.append(out.view(batch, heads, c, tile_volume, head_dim))
     return torch.cat(outputs, dim=2)
-
-
-def _fine_stage_flex(q, k, v, selected, kv_block_sizes, scale):
-    """Fine stage with compiled ``flex_attention`` and a BlockMask whose blocks are whole tiles.
-    Returns ``[B, H, Nq, V, D]`` in q's dtype."""
-    batch, heads, num_q_tiles, tile_volume, head_dim = q.shape
-    num_kv_tiles = k.shape[2]
-    block_mask = _selection_block_mask(selected, kv_block_sizes, tile_volume)
-    # Inside a compiled region the enclosing compile compiles flex_attention (a nested torch.compile
-    # call would not trace).
-    attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
-    out = attend(
-        q.reshape(batch, heads, num_q_tiles * tile_volume, head_dim),
-        k.reshape(batch, heads, num_kv_tiles * tile_volume, head_dim),
-        v.reshape(batch, heads, num_kv_tiles * tile_volume, head_dim),
-        block_mask=block_mask, scale=scale,
-        kernel_options=_flex_kernel_options(tile_volume, head_dim, q.element_size()))
-    return out.view(batch, heads, num_q_tiles, tile_volume, head_dim)
-
-
-def _selection_block_mask(selected: torch.Tensor, kv_block_sizes: torch.Tensor, tile_volume: int):
-    """Forward-only BlockMask of the fine stage: block size ``V`` (one block = one tile) on both axes.
-
-    Args:
-        selected: ``[B, H, Nq, topk]`` distinct selected key-tile indices per query tile.
-        kv_block_sizes: LongTensor ``[Nk]`` on the same device.
-        tile_volume: ``V``.
-
-    Selected key tiles with ``V`` valid tokens are "full" blocks (no mask_mod evaluated); selected
-    partial tiles are mask_mod blocks, where ``mask_mod`` keeps the key slots below the tile's block
-    size. Each ``[..., Nk]`` index list starts with its ``count`` tiles in ascending order; the
-    entries after the count are never read. The transposed lists that only the backward pass reads
-    are not built (they cost more than the rest of the mask).
-
-    The selection lives in the block lists only (putting it in ``mask_mod`` as well made the fine
-    stage 60 % slower on an H200), so only compiled flex_attention computes VSA with this mask;
-    uncompiled flex_attention reads ``mask_mod`` alone and would attend to every tile.
-    """
-    num_q_tiles = selected.shape[2]
-    num_kv_tiles = kv_block_sizes.shape[0]
-    whole = (kv_block_sizes == tile_volume)[selected]  # [B, H, Nq, topk]
-    full_num_blocks, full_indices = block_lists(selected, whole, num_kv_tiles)
-    partial_num_blocks, partial_indices = block_lists(selected, ~whole, num_kv_tiles)
-
-    def valid_key_slot(b, h, q_idx, kv_idx):
-        return (kv_idx % tile_volume) < kv_block_sizes[kv_idx // tile_volume]
-
-    return BlockMask.from_kv_blocks(
-        partial_num_blocks, partial_indices, full_num_blocks, full_indices,
-        BLOCK_SIZE=tile_volume, mask_mod=valid_key_slot,
-        seq_lengths=(num_q_tiles * tile_volume, num_kv_tiles * tile_volume),
-        compute_q_blocks=False)
-
-
-def _flex_kernel_options(tile_volume: int, head_dim: int, element_size: int) -> dict:
-    """Triton launch options for flex_attention's forward kernel.
-
-    The kernel's ``BLOCK_M`` / ``BLOCK_N`` must divide the BlockMask block size (here ``V``); its
-    defaults on Hopper (``BLOCK_M = 128`` for bf16, D = 128) do not divide ``V = 64``. Take the
-    largest power of two (at least 16, which ``V % 16 == 0`` guarantees) that divides ``V``, capped
-    lower for wide rows (``D * element_size > 256`` bytes) to stay within shared memory. Four warps
-    and two stages: on an H200 (bf16, D = 128, V = 64, Wan2.1 shape, 90 % sparsity) they ran the
-    fine stage in about 3.1 ms against 6.5 ms for the default eight warps.
-    """
-    wide_rows = head_dim * element_size > 256
-    cap_m, cap_n = (64, 32) if wide_rows else (128, 64)
-
-    def largest_divisor(cap: int) -> int:
-        size = cap
-        while tile_volume % size:
-            size //= 2
-        return size
-
-    return {"BLOCK_M": largest_divisor(cap_m), "BLOCK_N": largest_divisor(cap_n), "num_warps": 4, "num_stages": 2}
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_flex_attention():
-    """``torch.compile(flex_attention, fullgraph=True)``, built on first use.
-
-    ``fullgraph=True`` turns a graph break or a hit recompile limit into an error: without it
-    dynamo would fall back to uncompiled flex_attention, which ignores the block lists (see
-    :func:`_selection_block_mask`) and materialises the full score matrix.
-    """
-    return torch.compile(flex_attention, fullgraph=True)
-
-
-def _flex_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the flex backend can run: CUDA, flex_attention importable, a 16/32-bit float dtype,
-    V a multiple of 16 (the kernel's smallest tile), D >= 16 (tensor-core dot products), and no
-    gradient wanted (the BlockMask is built for the forward pass only)."""
-    tile_volume, head_dim = q.shape[-2], q.shape[-1]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return (q.is_cuda and flex_attention is not None and q.dtype in _FLEX_DTYPES
-            and tile_volume % 16 == 0 and head_dim >= 16 and not needs_grad)
 
 
 def _tile_means(x: torch.Tensor, block_sizes: torch.Tensor) -> torch.Tensor:
@@ -469,7 +368,7 @@ def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -
     _check_sparsity(sparsity)
     if gate is not None and gate.shape != q.shape:
         raise ValueError(f"gate must have q's shape {tuple(q.shape)}, got {tuple(gate.shape)}")
-    if backend == "flex" and not _flex_applies(q, k, v):
+    if backend == "flex" and not flex_applies(q, k, v):
         raise ValueError("backend='flex' needs CUDA tensors, torch.nn.attention.flex_attention, a "
                          "bfloat16/float16/float32 dtype, a tile volume V that is a multiple of 16, a head "
                          "dim >= 16 and no gradient (it is forward-only); got device "
