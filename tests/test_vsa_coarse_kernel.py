@@ -3,9 +3,8 @@ scores with the coarse output, and the radix top-k selection.
 
 On the GPU the kernels run compiled. Where Triton is importable without a GPU, its interpreter
 (``TRITON_INTERPRET=1``, in a subprocess: it must be set before the kernels are defined) runs the means and
-top-k kernels on CPU tensors, and the scores kernel on its split grid (no coarse output); the scores kernel's
-loop over a runtime bound (with the coarse output) does not run in Triton 3.6's interpreter, so that is
-tested on the GPU only.
+top-k kernels on CPU tensors; the scores kernel's loop over a runtime bound does not run in Triton 3.6's
+interpreter, so it is tested on the GPU only.
 """
 
 import importlib.util
@@ -134,10 +133,6 @@ def test_triton_coarse_stage_cuda(tile, head_dim, sparsity):
                 assert 0 < error < 2e-3, error
             else:
                 assert coarse is None
-                # The scores kernel's split grid (the default without an output) and its loop select alike.
-                looped, _ = _launch_coarse(qp, kp, vp, packed_offsets(q_sizes), q_sizes, offsets, sizes,
-                                           layout.tile_volume, topk, scale, False, {"score_split": False})
-                assert torch.equal(looped, selected)
 
 
 @cuda
@@ -173,7 +168,7 @@ _INTERPRETED = textwrap.dedent("""
     import torch
     from diffusers_sp.kernels import vsa
     from diffusers_sp.kernels.tiles import make_tile_layout, packed_offsets, tile_range_tokens, tile_tokens
-    from diffusers_sp.kernels.vsa_coarse_triton import _launch_coarse, _launch_means, topk_tiles_triton
+    from diffusers_sp.kernels.vsa_coarse_triton import _launch_means, topk_tiles_triton
 
     rows, expected = ROWS, EXPECTED
     for per_program, bits in ((1, 2), (2, 1), (8, 2), (1, 4)):
@@ -205,22 +200,6 @@ _INTERPRETED = textwrap.dedent("""
         for got, t in zip(means, x):
             want = vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long())
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    # The coarse stage without an output: the scores kernel on its split grid (no loop), key blocks of 16 and
-    # 32 tiles over 100 key tiles (a partial last block), query tiles 7 ... 40 (a partial last row block).
-    layout = make_tile_layout((9, 10, 13), (2, 2, 4))
-    x = [torch.randn(2, 3, layout.num_tokens, 32, generator=gen).to(torch.bfloat16) for _ in range(2)]
-    sizes = layout.block_sizes.to(torch.int32)
-    q_sizes = sizes[7:41]
-    qp = x[0].index_select(2, tile_range_tokens(layout, 7, 41))
-    kp = x[1].index_select(2, tile_range_tokens(layout, 0, layout.num_tiles))
-    means = [vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long()) for t in x]
-    products = means[0][:, :, 7:41].double() @ means[1].double().transpose(-1, -2)
-    for cols, topk in ((16, 6), (32, 100), (32, 1)):
-        selected, _ = _launch_coarse(qp, kp, kp, packed_offsets(q_sizes), q_sizes, packed_offsets(sizes), sizes,
-                                     layout.tile_volume, topk, 0.2, False, {"score_cols": cols})
-        assert selected.shape == (2, 3, 34, topk)
-        assert [set(r) for r in selected.view(-1, topk).tolist()] == \
-            [set(r) for r in products.topk(topk, dim=-1).indices.view(-1, topk).tolist()], (cols, topk)
     print("interpreted kernels ok")
 """)
 
@@ -229,9 +208,8 @@ _INTERPRETED = textwrap.dedent("""
 def test_coarse_kernels_in_triton_interpreter():
     """The top-k kernel (ties, negatives, signed zeros, NaN, keys sharing long leading bits, equal rows, -inf;
     one and several rows per program; radix digits of 1, 2 and 4 bits; with and without the early exit; k of 1,
-    some and all), the three-tensor means kernel (one, two and three heads per program) and the coarse stage
-    without an output (the scores kernel on its split grid, partial blocks of query and key tiles), run by
-    Triton's interpreter on CPU tensors."""
+    some and all) and the three-tensor means kernel (one, two and three heads per
+    program), run by Triton's interpreter on CPU tensors."""
     rows, expected = _tie_rows()
     literal = repr(rows.tolist()).replace("nan", "float('nan')")
     prefix_rows, prefix_expected = _prefix_rows()

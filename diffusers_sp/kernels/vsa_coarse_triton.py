@@ -12,8 +12,7 @@ launches:
 
 1. ``_tile_means_kernel``: the float32 mean of every tile of q, k and v in one launch;
 2. ``_tile_scores_kernel``: per block of query tiles, the scores against every key tile (written out for the
-   selection; without an output, one program per block of query tiles and block of key tiles) and, with an
-   output wanted, the online softmax (FlashAttention's recurrence, T. Dao et al.,
+   selection) and, with an output wanted, the online softmax (FlashAttention's recurrence, T. Dao et al.,
    arXiv 2205.14135) over them times the value means. The products run on tensor cores as three TF32
    products (``tf32x3``: float32 split into a high and a low TF32 part), close to float32;
 3. ``_topk_tiles_kernel``: per row of scores held in registers, the k-th largest score by a radix select on
@@ -48,8 +47,7 @@ from .vsa_triton import _LOG2_E, _unit_last_stride
 #: Launch configuration: heads per program of the means kernel (``mean_heads``, rounded up to a power of two:
 #: the group's heads are one load per row block) and its warps (``mean_warps``); query tiles per program of the
 #: scores kernel (``score_rows``), key tiles per step (``score_cols``), its pipeline stages (``score_stages``)
-#: and warps (``score_warps``), and whether, without a coarse output, each program takes one step of key tiles
-#: (``score_split``: the grid covers every block of scores at once, no loop); rows of scores per program of the top-k kernel
+#: and warps (``score_warps``); rows of scores per program of the top-k kernel
 #: (``select_rows``; its warps follow from the row length, one per 1024 scores, at most 8) and the bits of its
 #: radix digit (``select_bits``). The top-k kernel is bound by issuing its compares and row reductions, so one
 #: row on one warp (shuffles only, no barriers) with one-bit digits (32 steps of one count: the fewest
@@ -57,7 +55,7 @@ from .vsa_triton import _LOG2_E, _unit_last_stride
 #: against 0.46 / 0.38 at four rows and two bits, 0.64 / 0.54 at eight rows, 0.50 / 0.45 at one row and four
 #: bits (the torch path: 0.56 / 0.48; benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 2, "score_rows": 16, "score_cols": 64, "score_stages": 2,
-                  "score_warps": 4, "score_split": True, "output_precision": "tf32x3",
+                  "score_warps": 4, "output_precision": "tf32x3",
                   "select_rows": 1, "select_bits": 1, "select_early_exit": True}
 #: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
 MAX_SELECT_TILES = 8192
@@ -143,14 +141,11 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
     num_kv = means[1].shape[2]
     scores = torch.empty((B, H, num_q, num_kv), device=q.device, dtype=torch.float32)
     coarse = torch.empty((B, H, num_q, D) if with_output else (0,), device=q.device, dtype=torch.float32)
-    # Without the coarse output every block of scores stands alone: one program per block of query tiles and
-    # block of key tiles, all at once, instead of a loop over the key tiles in each program.
-    split = cfg["score_split"] and not with_output
-    _tile_scores_kernel[(triton.cdiv(num_q, cfg["score_rows"]), B * H,
-                         triton.cdiv(num_kv, cfg["score_cols"]) if split else 1)](
+    _tile_scores_kernel[(triton.cdiv(num_q, cfg["score_rows"]), B * H)](
         means[0], means[1], means[-1], scores, coarse, num_q, num_kv, scale * _LOG2_E, HEAD_DIM=D,
         ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, OUT_PRECISION=cfg["output_precision"],
-        SPLIT=split, num_warps=cfg["score_warps"], num_stages=cfg["score_stages"])
+        num_warps=cfg["score_warps"],
+        num_stages=cfg["score_stages"])
     return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"], bits_per_step=cfg["select_bits"],
                              early_exit=cfg["select_early_exit"]), coarse
 
@@ -257,54 +252,37 @@ if triton is not None:
                            TILE, HEAD_DIM, BLOCK, HEADS)
 
     @triton.jit
-    def _score_block(QMean, KMean, Scores, qm, q_rows, row_ok, bh, first, num_kv, HEAD_DIM: tl.constexpr,
-                     COLS: tl.constexpr):
-        # The products of the query means qm [ROWS, D] with key tiles first ... first + COLS - 1 of (b, h),
-        # stored into Scores [B, H, num_q, num_kv] and returned with the key tiles' indices and validity.
-        dims = tl.arange(0, HEAD_DIM)
-        cols = first + tl.arange(0, COLS)
-        col_ok = cols < num_kv
-        kv_rows = bh * num_kv + cols
-        km = tl.load(KMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
-        s = tl.dot(qm, tl.trans(km), input_precision="tf32x3")
-        tl.store(Scores + q_rows[:, None] * num_kv + cols[None, :], s, mask=row_ok[:, None] & col_ok[None, :])
-        return s, kv_rows, col_ok
-
-    @triton.jit
     def _tile_scores_kernel(QMean, KMean, VMean, Scores, Coarse, num_q, num_kv, scale_log2,
                             HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, HAS_OUT: tl.constexpr,
-                            OUT_PRECISION: tl.constexpr, SPLIT: tl.constexpr):
-        # One program per (block of ROWS query tiles, batch * head) and, with SPLIT (no output), per block of
-        # COLS key tiles; means are contiguous [B, H, N, D].
+                            OUT_PRECISION: tl.constexpr):
+        # One program per (block of ROWS query tiles, batch * head); means are contiguous [B, H, N, D].
         bh = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         dims = tl.arange(0, HEAD_DIM)
         row_ok = rows < num_q
         q_rows = bh * num_q + rows
         qm = tl.load(QMean + q_rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
-        if SPLIT:
-            _score_block(QMean, KMean, Scores, qm, q_rows, row_ok, bh, tl.program_id(2) * COLS, num_kv, HEAD_DIM,
-                         COLS)
-        else:
-            m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([ROWS], dtype=tl.float32)
-            acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-            for first in range(0, num_kv, COLS):
-                s, kv_rows, col_ok = _score_block(QMean, KMean, Scores, qm, q_rows, row_ok, bh, first, num_kv,
-                                                  HEAD_DIM, COLS)
-                if HAS_OUT:
-                    t = tl.where(col_ok[None, :], s * scale_log2, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(t, 1))
-                    p = tl.math.exp2(t - m_new[:, None])
-                    alpha = tl.math.exp2(m_i - m_new)
-                    l_i = l_i * alpha + tl.sum(p, 1)
-                    vm = tl.load(VMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None],
-                                 other=0.0)
-                    acc = acc * alpha[:, None] + tl.dot(p, vm, input_precision=OUT_PRECISION)
-                    m_i = m_new
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+        for first in range(0, num_kv, COLS):
+            cols = first + tl.arange(0, COLS)
+            col_ok = cols < num_kv
+            kv_rows = bh * num_kv + cols
+            km = tl.load(KMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
+            s = tl.dot(qm, tl.trans(km), input_precision="tf32x3")
+            tl.store(Scores + q_rows[:, None] * num_kv + cols[None, :], s, mask=row_ok[:, None] & col_ok[None, :])
             if HAS_OUT:
-                tl.store(Coarse + q_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
-                         mask=row_ok[:, None])
+                t = tl.where(col_ok[None, :], s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(t, 1))
+                p = tl.math.exp2(t - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                vm = tl.load(VMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p, vm, input_precision=OUT_PRECISION)
+                m_i = m_new
+        if HAS_OUT:
+            tl.store(Coarse + q_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
 
     @triton.jit
     def _topk_tiles_kernel(Scores, Sel, num_rows, num_kv, topk, ROWS: tl.constexpr, ROW_LEN: tl.constexpr,
