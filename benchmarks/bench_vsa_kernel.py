@@ -334,9 +334,9 @@ def main() -> int:
     sizes32 = block_sizes.to(torch.int32)
     offsets32 = vsa.packed_offsets(sizes32)
 
-    def coarse_packed(config=None):  # as the packed path runs it: the three coarse-stage kernels, with output
+    def coarse_packed(config=None, with_output=True):  # as the packed path runs it: the three coarse kernels
         return vsa_coarse_triton._launch_coarse(*packed[:3], offsets32, sizes32, offsets32, sizes32,
-                                                layout.tile_volume, topk, scale, True, config)
+                                                layout.tile_volume, topk, scale, with_output, config)
 
     def coarse_packed_torch():  # the means kernel, then products, softmax, product and top-k in torch
         means = [vsa_coarse_triton.tile_means_triton(x, offsets32, sizes32, layout.tile_volume) for x in packed[:3]]
@@ -360,6 +360,7 @@ def main() -> int:
         "vsa_random_gate_packed": lambda: vsa_packed(with_gate=True),
         "vsa_random_gate_packed_plan": lambda: vsa_packed_plan(with_gate=True),
         "coarse_stage_and_topk_packed": coarse_packed,
+        "coarse_stage_and_topk_packed_no_output": lambda: coarse_packed(with_output=False),  # no gate: the step's
         "coarse_stage_and_topk_packed_torch": coarse_packed_torch,
         "vsa_zero_gate_end_to_end": lambda: vsa_end_to_end(with_gate=False),
         "vsa_random_gate_end_to_end": lambda: vsa_end_to_end(with_gate=True),
@@ -546,9 +547,11 @@ def main() -> int:
         "results": results,
         "profile_packed_random_gate": profile_call(lambda: vsa_packed(with_gate=True)) if args.profile else None,
         # Device time per coarse-stage kernel at each swept launch configuration (with --profile).
-        "profile_coarse_configs": {label: profile_call(lambda c=cfg: coarse_packed(c))
-                                   for label, cfg in {"default": {}, **coarse_configs}.items()} if args.profile and
-        coarse_configs else None,
+        "profile_coarse_configs": {label: profile_call(lambda c=cfg, o=out: coarse_packed(c, o))
+                                   for label, (cfg, out) in {"default": ({}, True),
+                                                             **{k: (c, True) for k, c in coarse_configs.items()},
+                                                             "no_output": ({}, False)}.items()}
+        if args.profile and coarse_configs else None,
         "accuracy": {"check": "vsa(sparsity=0, gate=None) vs dense SDPA, relative Frobenius error",
                      "relative_error": error, "triton_vs_flex_relative_error": backends_error,
                      "triton_tma_vs_triton_relative_error": tma_error,
