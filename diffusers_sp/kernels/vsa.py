@@ -31,7 +31,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-
 from .fa4 import fa4_block_sparse_applies, fa4_block_sparse_fine_stage
 # The tile layout and block lists live in .tiles (shared with the FA4 backend); re-exported here, where
 # callers of the attention find them.

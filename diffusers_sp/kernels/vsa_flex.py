@@ -124,9 +124,9 @@ def compiled_flex_attention():
 
 
 def flex_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether :func:`fine_stage_flex` can run on tiled ``[B, H, N, V, D]`` tensors: CUDA, flex_attention importable, a 16/32-bit float dtype,
-    V a multiple of 16 (the kernel's smallest tile), D >= 16 (tensor-core dot products), and no
-    gradient wanted (the BlockMask is built for the forward pass only)."""
+    """Whether :func:`fine_stage_flex` can run on tiled ``[B, H, N, V, D]`` tensors: CUDA, flex_attention
+    importable, a 16/32-bit float dtype, V a multiple of 16 (the kernel's smallest tile), D >= 16 (tensor-core
+    dot products), and no gradient wanted (the BlockMask is built for the forward pass only)."""
     tile_volume, head_dim = q.shape[-2], q.shape[-1]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return (q.is_cuda and flex_attention is not None and q.dtype in FLEX_DTYPES
