@@ -381,9 +381,7 @@ def main() -> int:
         *packed[:3], selected, **packed_stage_args, config={"skip_empty_blocks": False})
     # The short key steps for the ends of partial tiles: 32 / 16 rows after the 64-row steps (the default),
     # 32 alone, and none ("plain": every block in a step of 64 rows).
-    # "masked": every block masked in list order, no class of full blocks walked first without masks.
-    step_variants = {"plain": {"short_steps": ()}, "short": {"short_steps": (32, 16)},
-                     "short32": {"short_steps": (32,)}, "masked": {"full_blocks_first": False}}
+    step_variants = {"plain": {"short_steps": ()}, "short": {"short_steps": (32, 16)}, "short32": {"short_steps": (32,)}}
     for name, config in step_variants.items():
         cases[f"fine_stage_only_triton_packed_{name}"] = (lambda c=config: vsa_triton.fine_stage_triton_packed(
             *packed[:3], selected, **packed_stage_args, config=c))
@@ -504,7 +502,7 @@ def main() -> int:
     # The block list (empty key blocks and query blocks skipped) against walking every block: the same bits.
     block_list_equal = torch.equal(_with_config(vsa_triton, {"skip_empty_blocks": False, "short_steps": ()},
                                                 lambda: vsa_packed(with_gate=True, backend="triton")),
-                                   _with_config(vsa_triton, {"short_steps": (), "full_blocks_first": False},
+                                   _with_config(vsa_triton, {"short_steps": ()},
                                                 lambda: vsa_packed(with_gate=True, backend="triton")))
     # The short-step variants against the default call (the same sums in another order).
     variant_errors = {name: relative_error(_with_config(vsa_triton, config, lambda: vsa_packed(

@@ -419,9 +419,7 @@ def test_triton_matches_reference_cuda(dtype, sparsity, tile, head_dim):
                                          ({"tma": False, "short_steps": (32, 16)}, (4, 4, 4)),
                                          ({"tma": True, "short_steps": ()}, (4, 4, 4)),
                                          ({"tma": True, "short_steps": (32, 16)}, (4, 8, 8)),
-                                         ({"tma": True, "short_steps": (16,)}, (4, 4, 4)),
-                                         ({"tma": True, "full_blocks_first": False}, (4, 4, 4)),
-                                         ({"tma": False, "full_blocks_first": False}, (4, 8, 8))],
+                                         ({"tma": True, "short_steps": (16,)}, (4, 4, 4))],
                          ids=str)
 def test_triton_fine_stage_configs_cuda(config, tile):
     """GPU-only: the fine stage at several top-k, with the tensor-descriptor (TMA) loads, which must
@@ -460,9 +458,8 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
     ``[B, H, S, D]``, or the token-major ``[S, B, H, D]`` buffers of the collectives) equals the reference
     backend, for all query tiles and for a range of them, with and without a gate, TMA and ordinary loads; and
     walking every key block and query block (empty ones included) gives the same bits as skipping the empty
-    (both in 64-row steps, in list order); and so do the short key steps for the ends of partial tiles, (32, 16)
-    as by default, 32 or 16 alone, or none (``short_steps``), and every block walked masked instead of the full
-    ones first unmasked (``full_blocks_first``)."""
+    (both in 64-row steps); and so do the short key steps for the ends of partial tiles, (32, 16) as by
+    default, 32 or 16 alone, or none (``short_steps``)."""
     from unittest import mock
 
     from diffusers_sp.kernels import vsa_triton
@@ -495,7 +492,7 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
                     q_block_offsets=packed_offsets(sizes32[0]), kv_block_offsets=packed_offsets(sizes32[1]))
             assert torch.equal(given, fast), "the given tile offsets changed the result"
             # The block list in 64-row steps (the order of the walk over every block) and every block walked.
-            one_step = dict(vsa_triton.DEFAULT_CONFIG, **(config or {}), short_steps=(), full_blocks_first=False)
+            one_step = dict(vsa_triton.DEFAULT_CONFIG, **(config or {}), short_steps=())
             with mock.patch.object(vsa_triton, "DEFAULT_CONFIG", one_step):
                 listed = video_sparse_attention_packed(qp, kp, vp, gate=gp, backend="triton", **args)
             with mock.patch.object(vsa_triton, "DEFAULT_CONFIG", dict(one_step, skip_empty_blocks=False)):
@@ -506,8 +503,7 @@ def test_triton_packed_matches_reference_cuda(layout_kind, tile, head_dim, tma):
             assert fast.dtype == torch.bfloat16 and fast.shape == qp.shape
             torch.testing.assert_close(fast.float(), reference, rtol=2e-2, atol=2e-2)
             torch.testing.assert_close(listed.float(), reference, rtol=2e-2, atol=2e-2, msg="short_steps=()")
-            for variant in ({"short_steps": (32,)}, {"short_steps": (16,)}, {"full_blocks_first": False},
-                            {"short_steps": (), "full_blocks_first": True}):
+            for variant in ({"short_steps": (32,)}, {"short_steps": (16,)}):
                 with mock.patch.object(vsa_triton, "DEFAULT_CONFIG",
                                        dict(vsa_triton.DEFAULT_CONFIG, **(config or {}), **variant)):
                     other = video_sparse_attention_packed(qp, kp, vp, gate=gp, backend="triton", **args)
@@ -520,23 +516,18 @@ _BLOCK_LIST_CHECK = textwrap.dedent("""
     import torch
     from diffusers_sp.kernels.vsa_block_list import key_block_list
 
-    def expected(selected, offsets, sizes, tile_volume, skip_empty, short_steps, full_first=False):
+    def expected(selected, offsets, sizes, tile_volume, skip_empty, short_steps):
         # Per row: the classes' entries one after the other, and where each class ends.
         block = min(tile_volume, 64)
 
         def step_class(keys):  # 0: 64-row steps; 1, 2: the short steps' rows (at most that many keys)
-            if full_first:  # the full blocks first, every other class one later
-                return 0 if keys >= block else 1 + step_class_of(keys)
-            return step_class_of(keys)
-
-        def step_class_of(keys):
             if not short_steps or keys > short_steps[0] or keys <= 0:
                 return 0
             return 1 if len(short_steps) == 1 or keys > short_steps[1] else 2
 
         rows = []
         for chosen in selected.reshape(-1, selected.shape[-1]).tolist():
-            classes = [[] for _ in short_steps + (None,) * (1 + full_first)]
+            classes = [[] for _ in short_steps + (None,)]
             for tile in chosen:
                 for part in range(tile_volume // block):
                     keys = int(sizes[tile]) - part * block
@@ -556,25 +547,16 @@ _BLOCK_LIST_CHECK = textwrap.dedent("""
         selected = torch.stack([torch.randperm(num_tiles, generator=gen)[:topk] for _ in range(2 * 3 * 5)])
         for dtype in (torch.int64, torch.int32):
             sel = selected.view(2, 3, 5, topk).to(DEVICE, dtype)
-            for skip_empty, short, full in ((True, (), False), (False, (), False), (True, (32, 16), False),
-                                            (True, (32,), False), (True, (16,), False), (True, (32, 16), True),
-                                            (True, (), True), (True, (16,), True)):
+            for skip_empty, short in ((True, ()), (False, ()), (True, (32, 16)), (True, (32,)), (True, (16,))):
                 blocks, counts = key_block_list(sel, offsets.to(DEVICE), sizes.to(DEVICE), tile_volume,
-                                                skip_empty=skip_empty, short_steps=short, full_first=full)
-                want = expected(selected, offsets, sizes, tile_volume, skip_empty, short, full)
-                classes = full + 1 + len(short)
-                assert blocks.dtype == counts.dtype == torch.int32 and counts.shape == (2, 3, 5, classes)
-                got_ends = counts.view(-1, classes).tolist()
-                case = (tile_volume, skip_empty, short, full)
-                assert got_ends == [ends for _, ends in want], case
+                                                skip_empty=skip_empty, short_steps=short)
+                want = expected(selected, offsets, sizes, tile_volume, skip_empty, short)
+                assert blocks.dtype == counts.dtype == torch.int32 and counts.shape == (2, 3, 5, 1 + len(short))
+                got_ends = counts.view(-1, 1 + len(short)).tolist()
+                assert got_ends == [ends for _, ends in want], (tile_volume, skip_empty, short)
                 flat = blocks.view(-1, blocks.shape[-2], 2).cpu()
                 for row, ends, (w, _) in zip(flat, got_ends, want):
-                    assert [tuple(e) for e in row[:ends[-1]].tolist()] == w, case
-                if full:  # every entry of the first class is a whole block, and no later one is
-                    block = min(tile_volume, 64)
-                    for row, ends in zip(flat, got_ends):
-                        keys = row[:ends[-1], 1].tolist()
-                        assert all(n == block for n in keys[:ends[0]]) and block not in keys[ends[0]:], case
+                    assert [tuple(e) for e in row[:ends[-1]].tolist()] == w, (tile_volume, skip_empty, short)
     for bad in ((16, 32), (64,), (32, 16, 8), (48,)):
         try:
             key_block_list(sel, offsets.to(DEVICE), sizes.to(DEVICE), 64, short_steps=bad)
@@ -582,12 +564,6 @@ _BLOCK_LIST_CHECK = textwrap.dedent("""
             assert "short_steps" in str(e)
         else:
             raise AssertionError(f"short_steps={bad} accepted")
-    try:
-        key_block_list(sel, offsets.to(DEVICE), sizes.to(DEVICE), 64, skip_empty=False, full_first=True)
-    except ValueError as e:
-        assert "full_first" in str(e)
-    else:
-        raise AssertionError("full_first with skip_empty=False accepted")
     print("block lists ok")
 """)
 

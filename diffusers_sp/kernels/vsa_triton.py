@@ -84,7 +84,7 @@ _LOG2_E = 1.4426950408889634
 #: slower (fine stage 2.30-2.65 ms at 4x4x4: the extra launches and mma.sync below 64 rows cost more than the
 #: padded rows; benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"num_warps": 4, "num_stages": None, "tma": True, "warp_specialize": False, "block_m": None,
-                  "skip_empty_blocks": True, "short_steps": (32, 16), "full_blocks_first": True}
+                  "skip_empty_blocks": True, "short_steps": (32, 16)}
 
 
 def triton_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_volume: int | None = None) -> bool:
@@ -289,9 +289,7 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
     # Programs of 128 query rows keep one step size: with the short steps' loops they spill 1.2 KB of registers
     # (sm_90a, offline compile).
     short = tuple(r for r in cfg["short_steps"] if r < block_n) if skip and block_m <= _BLOCK else ()
-    full = skip and cfg["full_blocks_first"]
-    blocks, counts = key_block_list(selected, kv_offsets, kv_sizes, tile_volume, skip_empty=skip, short_steps=short,
-                                    full_first=full)
+    blocks, counts = key_block_list(selected, kv_offsets, kv_sizes, tile_volume, skip_empty=skip, short_steps=short)
     shorts = short + (0,) * (2 - len(short))
     (k_ops, k_short), (v_ops, v_short) = (_operands(t, block_n, use_tma, short) for t in (k, v))
     # K and V again for each short step (KA, VA, KB, VB); a class that is not there gets the 64-row ones, unread.
@@ -301,7 +299,7 @@ def _launch(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_vo
         *epilogue_args(gate, coarse, out), blocks, counts, blocks.shape[-2], q_offsets, q_sizes, H, num_q_tiles,
         scale * _LOG2_E,  # the kernel uses exp2
         TILE=tile_volume, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, SHORT_A=shorts[0], SHORT_B=shorts[1],
-        FULL=full, TMA=use_tma, HAS_GATE=gate is not None, SKIP_EMPTY=skip, WARP_SPECIALIZE=cfg["warp_specialize"],
+        TMA=use_tma, HAS_GATE=gate is not None, SKIP_EMPTY=skip, WARP_SPECIALIZE=cfg["warp_specialize"],
         num_warps=cfg["num_warps"], num_stages=stages)
     return out
 
@@ -336,15 +334,10 @@ def _(q, k, v, selected, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, 
 if triton is not None:
 
     @triton.jit
-    def _key_block(K, V, block_base, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, rows, dims, TMA: tl.constexpr,
-                   MASKED: tl.constexpr):
-        # Key and value rows of entry `entry` of the query tile's block list, and which of them count (every row
-        # of a block that is not MASKED: its key count is not read).
+    def _key_block(K, V, block_base, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, rows, dims, TMA: tl.constexpr):
+        # Key and value rows of entry `entry` of the query tile's block list, and which of them count.
         kv_start = tl.load(block_base + entry * 2)
-        if MASKED:
-            key_ok = rows < tl.load(block_base + entry * 2 + 1)
-        else:
-            key_ok = rows >= 0
+        key_ok = rows < tl.load(block_base + entry * 2 + 1)
         if TMA:
             k = K.load([k_row0 + kv_start, k_col.to(tl.int32)])
             vals = V.load([v_row0 + kv_start, v_col.to(tl.int32)])
@@ -357,19 +350,15 @@ if triton is not None:
 
     @triton.jit
     def _walk(q, m_i, l_i, acc, K, V, block_base, first, last, k_row0, k_col, v_row0, v_col, s_k, s_v, dims,
-              scale_log2, BLOCK_N: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-              MASKED: tl.constexpr = True):
+              scale_log2, BLOCK_N: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         # Entries [first, last) of the block list in steps of BLOCK_N key rows: the online-softmax recurrence
-        # on the running row maximum m_i, row sum l_i and accumulator acc (float32), which it returns. Entries
-        # of BLOCK_N keys each (the full blocks' class) are walked with MASKED off: no compare or select a score.
+        # on the running row maximum m_i, row sum l_i and accumulator acc (float32), which it returns.
         key_rows = tl.arange(0, BLOCK_N)
         for entry in tl.range(first, last, warp_specialize=WARP_SPECIALIZE):
             k, vals, key_ok = _key_block(K, V, block_base, entry, k_row0, k_col, v_row0, v_col, s_k, s_v, key_rows,
-                                         dims, TMA, MASKED)
+                                         dims, TMA)
             # Scores stay unscaled: the scale goes into exp2's argument as one fused multiply-add per score.
-            s = tl.dot(q, tl.trans(k))
-            if MASKED:
-                s = tl.where(key_ok[None, :], s, float("-inf"))
+            s = tl.where(key_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
             p = tl.math.exp2(s * scale_log2 - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
@@ -384,14 +373,13 @@ if triton is not None:
                          Gate, s_gb, s_gh, s_gs, Coarse, s_cb, s_ch, s_cn,
                          Blocks, Counts, max_entries, QOff, QSizes, num_heads, num_q_tiles, scale_log2,
                          TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SHORT_A: tl.constexpr, SHORT_B: tl.constexpr, FULL: tl.constexpr, TMA: tl.constexpr,
-                         HAS_GATE: tl.constexpr, SKIP_EMPTY: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                         SHORT_A: tl.constexpr, SHORT_B: tl.constexpr, TMA: tl.constexpr, HAS_GATE: tl.constexpr,
+                         SKIP_EMPTY: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         # Q, K, V: TMA descriptors of 2-D row views (TMA) or base pointers; element [b, h, s, :] of each is
         # row (b * rb + h * rh + s), columns from (b * cb + h * ch), rows s_* elements apart. KA, VA and KB, VB:
-        # K and V again, as descriptors of SHORT_A and SHORT_B rows (the short steps; 0: none). FULL: the block
-        # list's first class is the full blocks (key_block_list's full_first).
+        # K and V again, as descriptors of SHORT_A and SHORT_B rows (the short steps; 0: none).
         Q_PARTS: tl.constexpr = TILE // BLOCK_M
-        CLASSES: tl.constexpr = FULL + 1 + (SHORT_A > 0) + (SHORT_B > 0)
+        CLASSES: tl.constexpr = 1 + (SHORT_A > 0) + (SHORT_B > 0)
         q_tile = tl.program_id(0) // Q_PARTS
         q_row = tl.program_id(0) % Q_PARTS * BLOCK_M
         bh = tl.program_id(1)
@@ -426,23 +414,17 @@ if triton is not None:
         if not SKIP_EMPTY:
             walks = q_row >= 0
         ends = Counts + list_row * CLASSES
-        end = 0
-        if FULL:
-            end = tl.where(walks, tl.load(ends), 0)
-            m_i, l_i, acc = _walk(q, m_i, l_i, acc, K, V, block_base, 0, end, k_row0, k_col, v_row0, v_col, s_k,
-                                  s_v, dims, scale_log2, BLOCK_N, TMA, WARP_SPECIALIZE, MASKED=False)
-        first = end
-        end = tl.where(walks, tl.load(ends + FULL), 0)
-        m_i, l_i, acc = _walk(q, m_i, l_i, acc, K, V, block_base, first, end, k_row0, k_col, v_row0, v_col, s_k,
-                              s_v, dims, scale_log2, BLOCK_N, TMA, WARP_SPECIALIZE)
+        end = tl.where(walks, tl.load(ends), 0)
+        m_i, l_i, acc = _walk(q, m_i, l_i, acc, K, V, block_base, 0, end, k_row0, k_col, v_row0, v_col, s_k, s_v,
+                              dims, scale_log2, BLOCK_N, TMA, WARP_SPECIALIZE)
         if SHORT_A > 0:
             first = end
-            end = tl.where(walks, tl.load(ends + FULL + 1), 0)
+            end = tl.where(walks, tl.load(ends + 1), 0)
             m_i, l_i, acc = _walk(q, m_i, l_i, acc, KA, VA, block_base, first, end, k_row0, k_col, v_row0, v_col,
                                   s_k, s_v, dims, scale_log2, SHORT_A, TMA, WARP_SPECIALIZE)
         if SHORT_B > 0:
             first = end
-            end = tl.where(walks, tl.load(ends + FULL + 2), 0)
+            end = tl.where(walks, tl.load(ends + 2), 0)
             m_i, l_i, acc = _walk(q, m_i, l_i, acc, KB, VB, block_base, first, end, k_row0, k_col, v_row0, v_col,
                                   s_k, s_v, dims, scale_log2, SHORT_B, TMA, WARP_SPECIALIZE)
         out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
