@@ -305,7 +305,7 @@ def test_errors():
         ("dtype", (qt, kt.double(), vt.double()), {}),
     ]
     if not torch.cuda.is_available():
-        bad_calls.append(("needs CUDA", (qt, kt, vt), dict(backend="flex")))
+        bad_calls.append(("needs CUDA.*a bfloat16/float16/float32 dtype", (qt, kt, vt), dict(backend="flex")))
     for match, args, overrides in bad_calls:
         kwargs = dict(q_block_sizes=layout.block_sizes, kv_block_sizes=layout.block_sizes, sparsity=0.5,
                       backend="reference")

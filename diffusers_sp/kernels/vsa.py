@@ -37,7 +37,7 @@ from .fa4 import fa4_block_sparse_applies, fa4_block_sparse_fine_stage
 from .tiles import (TileLayout, _check_sparsity, block_lists, make_tile_layout, packed_offsets, packed_slots,
                     pad_tiles, tile_range_tokens, tile_tokens, unpad_tiles, untile_tokens, vsa_topk)
 from .vsa_coarse_triton import coarse_stage_triton
-from .vsa_flex import fine_stage_flex, flex_applies
+from .vsa_flex import FLEX_DTYPES, fine_stage_flex, flex_applies
 from .vsa_gluon import fine_stage_gluon_packed, gluon_applies, gluon_preferred, gluon_requirements
 from .vsa_triton import fine_stage_triton_packed, padded_tiles, triton_applies, triton_requirements
 
@@ -205,8 +205,9 @@ def video_sparse_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         kv_sizes = kv_block_sizes.to(device=q.device, dtype=torch.int32)
         q_offsets, kv_offsets = (packed_offsets(sizes) if given is None else given.to(q.device, torch.int32)
                                  for sizes, given in ((q_sizes, q_block_offsets), (kv_sizes, kv_block_offsets)))
-        return _triton_vsa(q, k, v, q_tiles=(q_offsets, q_sizes), kv_tiles=(kv_offsets, kv_sizes), q_rows=q_sizes, tile_volume=tile_volume,
-                           sparsity=sparsity, gate=gate, scale=scale, fine_kernel="gluon" if gluon else "triton")
+        return _triton_vsa(q, k, v, q_tiles=(q_offsets, q_sizes), kv_tiles=(kv_offsets, kv_sizes), q_rows=q_sizes,
+                           tile_volume=tile_volume, sparsity=sparsity, gate=gate, scale=scale,
+                           fine_kernel="gluon" if gluon else "triton")
     if backend == "triton":
         raise ValueError(f"backend='triton': {triton_requirements(q, k, v, tile_volume)}. Use backend='reference', "
                          "'flex' or 'auto'.")
@@ -368,8 +369,9 @@ def _validate(q, k, v, q_block_sizes, kv_block_sizes, sparsity, gate, backend) -
     if gate is not None and gate.shape != q.shape:
         raise ValueError(f"gate must have q's shape {tuple(q.shape)}, got {tuple(gate.shape)}")
     if backend == "flex" and not flex_applies(q, k, v):
+        dtypes = "/".join(str(d).removeprefix("torch.") for d in FLEX_DTYPES)
         raise ValueError("backend='flex' needs CUDA tensors, torch.nn.attention.flex_attention, a "
-                         "bfloat16/float16/float32 dtype, a tile volume V that is a multiple of 16, a head "
+                         f"{dtypes} dtype, a tile volume V that is a multiple of 16, a head "
                          "dim >= 16 and no gradient (it is forward-only); got device "
                          f"{q.device}, {q.dtype}, V={q.shape[3]}, D={q.shape[4]}, "
                          f"requires_grad={any(t.requires_grad for t in (q, k, v))}. "
