@@ -417,24 +417,25 @@ if triton is not None:
             for group in range(0, ROWS, SEL_ROWS):
                 _select_rows(Scores + bh.to(tl.int64) * num_q * NUM_KV, Sel + bh.to(tl.int64) * num_q * topk,
                              item * ROWS + group + tl.arange(0, SEL_ROWS), num_q, NUM_KV, topk, SEL_ROWS, ROW_LEN,
-                             BITS, EARLY_EXIT, ".cg")  # read at L2: written by this program's threads
+                             BITS, EARLY_EXIT)
 
     @triton.jit
     def _topk_tiles_kernel(Scores, Sel, num_rows, num_kv, topk, ROWS: tl.constexpr, ROW_LEN: tl.constexpr,
                            BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
         # One program per ROWS rows of scores [num_rows, num_kv]; writes Sel [num_rows, topk] (int32).
         _select_rows(Scores, Sel, tl.program_id(0) * ROWS + tl.arange(0, ROWS), num_rows, num_kv, topk,
-                     ROWS, ROW_LEN, BITS, EARLY_EXIT, "")
+                     ROWS, ROW_LEN, BITS, EARLY_EXIT)
 
     @triton.jit
     def _select_rows(Scores, Sel, rows, num_rows, num_kv, topk, ROWS: tl.constexpr, ROW_LEN: tl.constexpr,
-                     BITS: tl.constexpr, EARLY_EXIT: tl.constexpr, CACHE: tl.constexpr):
+                     BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
         # The top-k columns of rows `rows` (those below num_rows) of Scores [num_rows, num_kv], into Sel
-        # [num_rows, topk] in column order (rows: int32 [ROWS]). Scores is loaded with cache modifier CACHE.
+        # [num_rows, topk] in column order (rows: int32 [ROWS]). Scores is read at L2 (".cg"): the fused kernel
+        # reads what it wrote earlier in the same launch.
         cols = tl.arange(0, ROW_LEN)
         ok = (rows < num_rows)[:, None] & (cols < num_kv)[None, :]
         s = tl.load(Scores + rows.to(tl.int64)[:, None] * num_kv + cols[None, :], mask=ok, other=float("-inf"),
-                    cache_modifier=CACHE)
+                    cache_modifier=".cg")
         # Order-preserving uint32 keys of the float32 scores: negative ones bit-inverted, others sign bit set.
         bits = s.to(tl.uint32, bitcast=True)
         key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
