@@ -3,10 +3,8 @@ scores with the coarse output, and the radix top-k selection.
 
 On the GPU the kernels run compiled. Where Triton is importable without a GPU, its interpreter
 (``TRITON_INTERPRET=1``, in a subprocess: it must be set before the kernels are defined) runs the means and
-top-k kernels on CPU tensors, and the one-launch coarse stage (whose scores loop has a constant bound); the
-three-launch scores kernel's loop over a runtime bound does not run in Triton 3.6's interpreter (its scalar
-arguments are one-element arrays, which NumPy 2.4 no longer turns into an index), so it is tested on the GPU
-only.
+top-k kernels on CPU tensors; the scores kernel's loop over a runtime bound does not run in Triton 3.6's
+interpreter, so it is tested on the GPU only.
 """
 
 import importlib.util
@@ -262,9 +260,8 @@ _INTERPRETED = textwrap.dedent("""
 def test_coarse_kernels_in_triton_interpreter():
     """The top-k kernel (ties, negatives, signed zeros, NaN, keys sharing long leading bits, equal rows, -inf;
     one and several rows per program; radix digits of 1, 2 and 4 bits; with and without the early exit; k of 1,
-    some and all), the three-tensor means kernel (one, two and three heads per program) and the one-launch
-    coarse stage (partial tiles, all and a range of query tiles, with and without the output), run by Triton's
-    interpreter on CPU tensors."""
+    some and all) and the three-tensor means kernel (one, two and three heads per
+    program), run by Triton's interpreter on CPU tensors."""
     rows, expected = _tie_rows()
     literal = repr(rows.tolist()).replace("nan", "float('nan')")
     prefix_rows, prefix_expected = _prefix_rows()
