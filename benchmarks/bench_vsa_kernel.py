@@ -362,13 +362,6 @@ def main() -> int:
         "coarse_stage_and_topk_packed": coarse_packed,
         "coarse_stage_and_topk_packed_no_output": lambda: coarse_packed(with_output=False),  # no gate: the step's
         "coarse_stage_and_topk_packed_torch": coarse_packed_torch,
-        # The coarse stage as one launch (vsa_coarse_triton's "fused" option), with and without the output.
-        "coarse_stage_and_topk_packed_fused": lambda: coarse_packed({"fused": True}),
-        "coarse_stage_and_topk_packed_no_output_fused": lambda: coarse_packed({"fused": True}, with_output=False),
-        "vsa_random_gate_packed_plan_fused": lambda: _with_config(vsa_coarse_triton, {"fused": True},
-                                                                  lambda: vsa_packed_plan(with_gate=True)),
-        "vsa_zero_gate_packed_fused": lambda: _with_config(vsa_coarse_triton, {"fused": True},
-                                                           lambda: vsa_packed(with_gate=False)),
         "vsa_zero_gate_end_to_end": lambda: vsa_end_to_end(with_gate=False),
         "vsa_random_gate_end_to_end": lambda: vsa_end_to_end(with_gate=True),
         "vsa_zero_gate_kernel": lambda: vsa_tiled(qt, kt, vt, None, args.sparsity),
@@ -452,11 +445,7 @@ def main() -> int:
                                                                                                "score_warps": 8},
                           "scores_s1": {"score_stages": 1}, "output_tf32": {"output_precision": "tf32"},
                           "select2": {"select_rows": 2}, "select1_bits2": {"select_bits": 2},
-                          "select_full_radix": {"select_early_exit": False},
-                          "fused": {"fused": True}, "fused_select2": {"fused": True, "fused_select_rows": 2},
-                          "fused_select4": {"fused": True, "fused_select_rows": 4},
-                          "fused_chunk8": {"fused": True, "fused_chunk": 8},
-                          "fused_rows32_w8": {"fused": True, "score_rows": 32, "fused_warps": 8}}
+                          "select_full_radix": {"select_early_exit": False}}
         for label, cfg in coarse_configs.items():
             cases[f"coarse_{label}"] = (lambda c=cfg: coarse_packed(c))
             cases[f"vsa_random_gate_packed_{label}"] = (lambda c=cfg: _with_config(
@@ -540,13 +529,8 @@ def main() -> int:
     same_rows = (selected_kernel.long().sort(-1).values == selected_torch.sort(-1).values).all(-1)
     selection_mismatch = 1.0 - same_rows.float().mean().item()
     coarse_error = relative_error(coarse_kernel, coarse_torch)
-    # The one-launch coarse stage against the three launches: rows selecting other tiles (near-ties: its tile
-    # means sum the tokens in another order) and the coarse output.
-    selected_fused, coarse_fused = coarse_packed({"fused": True})
-    fused_mismatch = 1.0 - (selected_fused == selected_kernel).all(-1).float().mean().item()
-    fused_error = relative_error(coarse_fused, coarse_kernel)
     accuracy_ok = block_list_equal and all(e <= ACCURACY_LIMIT for e in (error, backends_error, tma_error, packed_error, packed_dense_error,
-                                                     fa4_error, fa4_dense_error, coarse_error, fused_error,
+                                                     fa4_error, fa4_dense_error, coarse_error,
                                                      fa4_sparse0_error, gluon_error, gluon_call_error,
                                                      variants_error)
                        if e is not None)
@@ -566,8 +550,7 @@ def main() -> int:
         "profile_coarse_configs": {label: profile_call(lambda c=cfg, o=out: coarse_packed(c, o))
                                    for label, (cfg, out) in {"default": ({}, True),
                                                              **{k: (c, True) for k, c in coarse_configs.items()},
-                                                             "no_output": ({}, False),
-                                                             "no_output_fused": ({"fused": True}, False)}.items()}
+                                                             "no_output": ({}, False)}.items()}
         if args.profile and coarse_configs else None,
         "accuracy": {"check": "vsa(sparsity=0, gate=None) vs dense SDPA, relative Frobenius error",
                      "relative_error": error, "triton_vs_flex_relative_error": backends_error,
@@ -578,8 +561,6 @@ def main() -> int:
                      "packed_sparsity0_vs_dense_relative_error": packed_dense_error,
                      "coarse_kernels_vs_torch_relative_error": coarse_error,
                      "coarse_kernels_vs_torch_selection_rows_differing": selection_mismatch,
-                     "coarse_fused_vs_three_launches_relative_error": fused_error,
-                     "coarse_fused_vs_three_launches_selection_rows_differing": fused_mismatch,
                      "gluon_vs_triton_fine_stage_relative_error": gluon_error,
                      "gluon_call_vs_triton_call_relative_error": gluon_call_error,
                      "fa4_vs_triton_relative_error": fa4_error, "fa4_dense_vs_sdpa_relative_error": fa4_dense_error,
@@ -606,8 +587,7 @@ def main() -> int:
     for label, rows in (report["profile_coarse_configs"] or {}).items():
         print(f"  coarse {label:18s} " + ", ".join(f"{r['kernel'][:20]} {r['cuda_ms']:.4f}" for r in rows))
     print(f"packed vs padded (gate) {packed_error:.2e}, packed sparsity 0 vs dense {packed_dense_error:.2e}, coarse "
-          f"kernels vs torch {coarse_error:.2e} (rows selecting other tiles: {selection_mismatch:.2e}), one launch "
-          f"vs three {fused_error:.2e} (rows selecting other tiles: {fused_mismatch:.2e})")
+          f"kernels vs torch {coarse_error:.2e} (rows selecting other tiles: {selection_mismatch:.2e})")
     print(f"Gluon fine stage vs Triton {gluon_error}, whole call with it vs Triton {gluon_call_error}; block list "
           f"equals walking every block: {block_list_equal}; short-step variants vs the call: "
           + ", ".join(f"{n} {e:.2e}" for n, e in variant_errors.items()))

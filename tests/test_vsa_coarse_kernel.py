@@ -133,40 +133,6 @@ def test_triton_coarse_stage_cuda(tile, head_dim, sparsity):
                 assert 0 < error < 2e-3, error
             else:
                 assert coarse is None
-            # The one-launch coarse stage: the same selection and output (its means sum in another order).
-            sel_fused, coarse_fused = _launch_coarse(qp, kp, vp, packed_offsets(q_sizes), q_sizes, offsets, sizes,
-                                                     layout.tile_volume, topk, scale, with_output, {"fused": True})
-            assert sel_fused.shape == selected.shape and bool((sel_fused.diff(dim=-1) > 0).all())
-            assert _as_sets(sel_fused) == _as_sets(products.topk(topk, dim=-1).indices)
-            if with_output:
-                torch.testing.assert_close(coarse_fused.double(), expected, rtol=1e-5, atol=1e-5)
-
-
-@cuda
-def test_triton_coarse_fused_many_heads_cuda():
-    """GPU-only: the one-launch coarse stage with more work items than the GPU holds at once (batch 3, 40
-    heads, 8 rows an item), so that query items wait on key items of programs started in another order, equals
-    the three launches, at several rows a selection group and with the output."""
-    from diffusers_sp.kernels.vsa_coarse_triton import _launch_coarse
-
-    layout = make_tile_layout((9, 20, 18), (4, 4, 4))
-    gen = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(3, 40, layout.num_tokens, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
-    sizes = layout.block_sizes.to("cuda", torch.int32)
-    offsets = packed_offsets(sizes)
-    packed = [_packed(x, layout) for x in (q, k, v)]
-    topk = vsa_topk(layout.num_tiles, 0.9)
-    for with_output in (False, True):
-        sel, coarse = _launch_coarse(*packed, offsets, sizes, offsets, sizes, layout.tile_volume, topk, 0.125,
-                                     with_output)
-        for config in ({"fused": True, "score_rows": 8}, {"fused": True, "fused_select_rows": 4}):
-            for _ in range(3):  # the ticket order differs from run to run
-                sel_fused, coarse_fused = _launch_coarse(*packed, offsets, sizes, offsets, sizes, layout.tile_volume,
-                                                         topk, 0.125, with_output, config)
-                same = (sel_fused == sel).all(-1).float().mean().item()
-                assert same > 0.999, (config, same)  # near-ties aside (the means sum in another order)
-                if with_output:
-                    torch.testing.assert_close(coarse_fused, coarse, rtol=1e-4, atol=1e-5)
 
 
 @cuda
@@ -202,7 +168,7 @@ _INTERPRETED = textwrap.dedent("""
     import torch
     from diffusers_sp.kernels import vsa
     from diffusers_sp.kernels.tiles import make_tile_layout, packed_offsets, tile_range_tokens, tile_tokens
-    from diffusers_sp.kernels.vsa_coarse_triton import _launch_coarse, _launch_means, topk_tiles_triton
+    from diffusers_sp.kernels.vsa_coarse_triton import _launch_means, topk_tiles_triton
 
     rows, expected = ROWS, EXPECTED
     for per_program, bits in ((1, 2), (2, 1), (8, 2), (1, 4)):
@@ -234,24 +200,6 @@ _INTERPRETED = textwrap.dedent("""
         for got, t in zip(means, x):
             want = vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long())
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    # The one-launch coarse stage (its scores loop has a constant bound, which the interpreter runs): the top-k of
-    # float64 products of the tile means, and the coarse output, on partial tiles, all and a range of query tiles.
-    k_mean, v_mean = (vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long()).double() for t in x[1:])
-    kp, vp = (t.index_select(2, order) for t in x[1:])
-    for start, end, topk, with_output, config in ((0, layout.num_tiles, 5, True, {}), (3, 11, 1, False, {}),
-                                                  (3, 11, 18, True, {"score_rows": 4, "fused_select_rows": 2})):
-        q_sizes = sizes[start:end]
-        qp = x[0].index_select(2, tile_range_tokens(layout, start, end))
-        selected, coarse = _launch_coarse(qp, kp, vp, packed_offsets(q_sizes), q_sizes, packed_offsets(sizes), sizes,
-                                          layout.tile_volume, topk, 32 ** -0.5, with_output, dict(config, fused=True))
-        q_mean = vsa._tile_means(tile_tokens(x[0].float(), layout, dim=2), sizes.long()).double()[:, :, start:end]
-        products = q_mean @ k_mean.transpose(-1, -2)
-        assert [set(r) for r in selected.view(-1, topk).tolist()] == \
-            [set(r) for r in products.topk(topk, dim=-1).indices.view(-1, topk).tolist()], (start, topk)
-        assert bool((selected.diff(dim=-1) > 0).all())
-        if with_output:
-            expected = torch.softmax(products * 32 ** -0.5, dim=-1) @ v_mean
-            torch.testing.assert_close(coarse.double(), expected, rtol=1e-5, atol=1e-5)
     print("interpreted kernels ok")
 """)
 

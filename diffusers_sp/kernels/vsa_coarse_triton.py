@@ -22,15 +22,6 @@ launches:
    which the row's keys differ (the bits above are every key's) and stops once exactly k keys reach the
    prefix (they are then the k largest): about 16 of the 32 one-bit steps on normal scores of 624 tiles.
 
-With ``"fused"`` (:data:`DEFAULT_CONFIG`) the stage is one launch instead (``_coarse_fused_kernel``): each
-program takes its work item by an atomic ticket, the key and value means of a block of key tiles or the means,
-scores, coarse output and top-k of a block of query tiles, so that the bandwidth-bound means of one head run
-while the query tiles of the head before are scored and selected. A query item waits (spinning on an acquire
-load) for its head's key means, which programs holding lower tickets compute; the ticket order, not the order
-in which the hardware starts programs, is what makes the wait end (the dynamic work order of decoupled
-look-back: D. Merrill and M. Garland, "Single-pass Parallel Prefix Scan with Decoupled Look-back", NVIDIA
-NVR-2016-002). Its scores loop has the key-tile count as a compile-time constant: one compile per count.
-
 Selection runs on the unscaled products (a positive scale keeps their order). Ties at the k-th score go to
 the lower tile index (``torch.topk`` leaves their choice open). Rows longer than :data:`MAX_SELECT_TILES`
 key tiles are selected by ``torch.topk`` instead (the row would not fit in registers).
@@ -62,14 +53,10 @@ from .vsa_triton import _LOG2_E, _unit_last_stride
 #: row on one warp (shuffles only, no barriers) with one-bit digits (32 steps of one count: the fewest
 #: compares) ran fastest: at 624 key tiles on an H100 the coarse stage took 0.35 / 0.30 ms synced / queued,
 #: against 0.46 / 0.38 at four rows and two bits, 0.64 / 0.54 at eight rows, 0.50 / 0.45 at one row and four
-#: bits (the torch path: 0.56 / 0.48; benchmarks/RESULTS.md). ``fused`` runs the one-launch kernel instead: its
-#: items take ``score_rows`` tiles (key and query alike) and ``score_cols`` key tiles a step, read
-#: ``fused_chunk`` tokens of each tile a load for the means, select ``fused_select_rows`` rows at once, on
-#: ``fused_warps`` warps.
+#: bits (the torch path: 0.56 / 0.48; benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 2, "score_rows": 16, "score_cols": 64, "score_stages": 2,
                   "score_warps": 4, "output_precision": "tf32x3",
-                  "select_rows": 1, "select_bits": 1, "select_early_exit": True,
-                  "fused": False, "fused_chunk": 4, "fused_select_rows": 1, "fused_warps": 4}
+                  "select_rows": 1, "select_bits": 1, "select_early_exit": True}
 #: The longest row (key tiles) the top-k kernel selects from; longer rows go to ``torch.topk``.
 MAX_SELECT_TILES = 8192
 
@@ -148,9 +135,6 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
     with ``coarse`` a ``[0]`` placeholder where no output is wanted. ``config`` overrides
     :data:`DEFAULT_CONFIG` (benchmarks)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
-    if cfg["fused"] and kv_sizes.shape[0] <= MAX_SELECT_TILES:
-        return _launch_coarse_fused(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale,
-                                    with_output, cfg)
     q_tiles, kv_tiles = (q_offsets, q_sizes), (kv_offsets, kv_sizes)
     means = _launch_means((q, k, v) if with_output else (q, k), q_tiles, kv_tiles, tile_volume, cfg)
     B, H, num_q, D = means[0].shape
@@ -164,35 +148,6 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
         num_stages=cfg["score_stages"])
     return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"], bits_per_step=cfg["select_bits"],
                              early_exit=cfg["select_early_exit"]), coarse
-
-
-def _launch_coarse_fused(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volume, topk, scale, with_output,
-                         cfg):
-    """The coarse stage as one kernel launch (``_coarse_fused_kernel``) after zeroing its work counters: tile
-    means, scores, coarse output and top-k, with the key and value means of one batch and head computed while
-    the query tiles of the one before are scored. Same results as the three launches, up to the order of the
-    sums in the means (each tile's tokens summed in chunks of ``fused_chunk``). Returns ``(selected, coarse)``."""
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-    if not with_output:
-        v = k  # not read
-    B, H, _, D = q.shape
-    num_q, num_kv = q_offsets.shape[0], kv_offsets.shape[0]
-    rows = cfg["score_rows"]
-    dev = q.device
-    kv_means = torch.empty((2 if with_output else 1, B, H, num_kv, D), device=dev, dtype=torch.float32)
-    scores = torch.empty((B, H, num_q, num_kv), device=dev, dtype=torch.float32)
-    coarse = torch.empty((B, H, num_q, D) if with_output else (0,), device=dev, dtype=torch.float32)
-    selected = torch.empty((B, H, num_q, topk), device=dev, dtype=torch.int32)
-    counters = torch.zeros(1 + B * H, device=dev, dtype=torch.int32)  # the ticket, then each head's key items
-    items = B * H * (triton.cdiv(num_kv, rows) + triton.cdiv(num_q, rows))
-    _coarse_fused_kernel[(items,)](
-        q, k, v, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], kv_means[0], kv_means[-1], scores, coarse,
-        selected, counters, q_offsets, q_sizes, kv_offsets, kv_sizes, num_q, H, topk, scale * _LOG2_E,
-        NUM_KV=num_kv, TILE=tile_volume, HEAD_DIM=D, ROWS=rows, COLS=cfg["score_cols"], CHUNK=cfg["fused_chunk"],
-        HAS_OUT=with_output, OUT_PRECISION=cfg["output_precision"], SEL_ROWS=cfg["fused_select_rows"],
-        ROW_LEN=triton.next_power_of_2(num_kv), BITS=cfg["select_bits"], EARLY_EXIT=cfg["select_early_exit"],
-        num_warps=cfg["fused_warps"], num_stages=cfg["score_stages"])
-    return selected, coarse
 
 
 def topk_tiles_triton(scores: torch.Tensor, topk: int, *, rows_per_program: int = 1, bits_per_step: int = 1,
@@ -304,21 +259,9 @@ if triton is not None:
         bh = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         dims = tl.arange(0, HEAD_DIM)
-        qm = tl.load(QMean + (bh * num_q + rows)[:, None] * HEAD_DIM + dims[None, :], mask=(rows < num_q)[:, None],
-                     other=0.0)
-        _score_rows(qm, KMean, VMean, Scores, Coarse, bh, rows, num_q, num_kv, scale_log2, HEAD_DIM, ROWS, COLS,
-                    HAS_OUT, OUT_PRECISION, "")
-
-    @triton.jit
-    def _score_rows(qm, KMean, VMean, Scores, Coarse, bh, rows, num_q, num_kv, scale_log2, HEAD_DIM: tl.constexpr,
-                    ROWS: tl.constexpr, COLS: tl.constexpr, HAS_OUT: tl.constexpr, OUT_PRECISION: tl.constexpr,
-                    CACHE: tl.constexpr):
-        # Query-tile means qm [ROWS, D] (of rows `rows` of batch * head bh) against every key-tile mean: the
-        # scores into Scores [B, H, num_q, num_kv], and with HAS_OUT the online softmax over them times the value
-        # means into Coarse [B, H, num_q, D]. KMean and VMean are loaded with cache modifier CACHE.
-        dims = tl.arange(0, HEAD_DIM)
         row_ok = rows < num_q
         q_rows = bh * num_q + rows
+        qm = tl.load(QMean + q_rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
@@ -326,8 +269,7 @@ if triton is not None:
             cols = first + tl.arange(0, COLS)
             col_ok = cols < num_kv
             kv_rows = bh * num_kv + cols
-            km = tl.load(KMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0,
-                         cache_modifier=CACHE)
+            km = tl.load(KMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
             s = tl.dot(qm, tl.trans(km), input_precision="tf32x3")
             tl.store(Scores + q_rows[:, None] * num_kv + cols[None, :], s, mask=row_ok[:, None] & col_ok[None, :])
             if HAS_OUT:
@@ -336,106 +278,20 @@ if triton is not None:
                 p = tl.math.exp2(t - m_new[:, None])
                 alpha = tl.math.exp2(m_i - m_new)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                vm = tl.load(VMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0,
-                             cache_modifier=CACHE)
+                vm = tl.load(VMean + kv_rows[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p, vm, input_precision=OUT_PRECISION)
                 m_i = m_new
         if HAS_OUT:
             tl.store(Coarse + q_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
 
     @triton.jit
-    def _tile_means_rows(X, s_xb, s_xh, s_xs, Off, Sizes, first, num_tiles, b, h, ROWS: tl.constexpr,
-                         TILE: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
-        # The float32 means [ROWS, HEAD_DIM] of tiles first ... first + ROWS - 1 of (b, h) (rows past num_tiles
-        # hold 0), CHUNK tokens of every tile a load.
-        tiles = first + tl.arange(0, ROWS)
-        ok = tiles < num_tiles
-        start = tl.load(Off + tiles, mask=ok, other=0)
-        count = tl.load(Sizes + tiles, mask=ok, other=0)
-        toks = tl.arange(0, CHUNK)
-        dims = tl.arange(0, HEAD_DIM)
-        base = X + b.to(tl.int64) * s_xb + h.to(tl.int64) * s_xh
-        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-        for t0 in range(0, TILE, CHUNK):
-            tok = t0 + toks
-            at = (start[:, None] + tok[None, :]).to(tl.int64) * s_xs  # [ROWS, CHUNK]
-            x = tl.load(base + at[:, :, None] + dims[None, None, :], mask=(tok[None, :] < count[:, None])[:, :, None],
-                        other=0.0)
-            acc += tl.sum(x.to(tl.float32), 1)
-        return acc / tl.maximum(count, 1).to(tl.float32)[:, None]
-
-    @triton.jit
-    def _coarse_fused_kernel(Q, K, V, s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, KMean, VMean, Scores,
-                             Coarse, Sel, Counters, QOff, QSizes, KOff, KSizes, num_q, num_heads, topk, scale_log2,
-                             NUM_KV: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-                             COLS: tl.constexpr, CHUNK: tl.constexpr, HAS_OUT: tl.constexpr,
-                             OUT_PRECISION: tl.constexpr, SEL_ROWS: tl.constexpr, ROW_LEN: tl.constexpr,
-                             BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
-        # The whole coarse stage in one launch (see _launch_coarse_fused). Each program takes the next work item
-        # by ticket (Counters[0]); per batch * head bh there are key items (the k and v means of ROWS key tiles)
-        # and query items (the means of ROWS query tiles, their scores, coarse output and top-k), ordered
-        # k(0), k(1), q(0), k(2), q(1), ..., q(BH - 1): the query items of bh come after the key items of bh + 1,
-        # so that they seldom wait. A query item waits until Counters[1 + bh] counts every key item of bh; those
-        # hold lower tickets, so their programs are running and wait on nothing: no deadlock, whatever the order
-        # in which programs start.
-        k_items = (NUM_KV + ROWS - 1) // ROWS
-        q_items = (num_q + ROWS - 1) // ROWS
-        ticket = tl.atomic_add(Counters, 1)
-        u = tl.maximum(ticket - k_items, 0)
-        phase = u // (k_items + q_items)  # phase p: k(p + 1) (none in the last phase), then q(p)
-        r = u % (k_items + q_items)
-        last = phase == tl.num_programs(0) // (k_items + q_items) - 1
-        is_k = (ticket < k_items) | ((r < k_items) & ~last)
-        bh = tl.where(ticket < k_items, 0, tl.where(is_k, phase + 1, phase))
-        item = tl.where(ticket < k_items, ticket, tl.where(is_k | last, r, r - k_items))
-        b = bh // num_heads
-        h = bh % num_heads
-        dims = tl.arange(0, HEAD_DIM)
-        rows = item * ROWS + tl.arange(0, ROWS)
-        if is_k:
-            out = (bh.to(tl.int64) * NUM_KV + rows)[:, None] * HEAD_DIM + dims[None, :]
-            km = _tile_means_rows(K, s_kb, s_kh, s_ks, KOff, KSizes, item * ROWS, NUM_KV, b, h, ROWS, TILE, HEAD_DIM,
-                                  CHUNK)
-            tl.store(KMean + out, km, mask=(rows < NUM_KV)[:, None])
-            if HAS_OUT:
-                vm = _tile_means_rows(V, s_vb, s_vh, s_vs, KOff, KSizes, item * ROWS, NUM_KV, b, h, ROWS, TILE,
-                                      HEAD_DIM, CHUNK)
-                tl.store(VMean + out, vm, mask=(rows < NUM_KV)[:, None])
-            tl.debug_barrier()  # every thread's stores before the release
-            tl.atomic_add(Counters + 1 + bh, 1, sem="release")
-        else:
-            qm = _tile_means_rows(Q, s_qb, s_qh, s_qs, QOff, QSizes, item * ROWS, num_q, b, h, ROWS, TILE, HEAD_DIM,
-                                  CHUNK)
-            ready = tl.atomic_add(Counters + 1 + bh, 0, sem="acquire")
-            while ready < k_items:
-                ready = tl.atomic_add(Counters + 1 + bh, 0, sem="acquire")
-            tl.debug_barrier()
-            # The key means were written by other programs of this launch: loaded at L2 (".cg"), not from L1.
-            _score_rows(qm, KMean, VMean, Scores, Coarse, bh.to(tl.int64), rows, num_q, NUM_KV, scale_log2,
-                        HEAD_DIM, ROWS, COLS, HAS_OUT, OUT_PRECISION, ".cg")
-            tl.debug_barrier()  # the scores of every thread before the selection reads them
-            for group in range(0, ROWS, SEL_ROWS):
-                _select_rows(Scores + bh.to(tl.int64) * num_q * NUM_KV, Sel + bh.to(tl.int64) * num_q * topk,
-                             item * ROWS + group + tl.arange(0, SEL_ROWS), num_q, NUM_KV, topk, SEL_ROWS, ROW_LEN,
-                             BITS, EARLY_EXIT)
-
-    @triton.jit
     def _topk_tiles_kernel(Scores, Sel, num_rows, num_kv, topk, ROWS: tl.constexpr, ROW_LEN: tl.constexpr,
                            BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
         # One program per ROWS rows of scores [num_rows, num_kv]; writes Sel [num_rows, topk] (int32).
-        _select_rows(Scores, Sel, tl.program_id(0) * ROWS + tl.arange(0, ROWS), num_rows, num_kv, topk,
-                     ROWS, ROW_LEN, BITS, EARLY_EXIT)
-
-    @triton.jit
-    def _select_rows(Scores, Sel, rows, num_rows, num_kv, topk, ROWS: tl.constexpr, ROW_LEN: tl.constexpr,
-                     BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
-        # The top-k columns of rows `rows` (those below num_rows) of Scores [num_rows, num_kv], into Sel
-        # [num_rows, topk] in column order (rows: int32 [ROWS]). Scores is read at L2 (".cg"): the fused kernel
-        # reads what it wrote earlier in the same launch.
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, ROW_LEN)
         ok = (rows < num_rows)[:, None] & (cols < num_kv)[None, :]
-        s = tl.load(Scores + rows.to(tl.int64)[:, None] * num_kv + cols[None, :], mask=ok, other=float("-inf"),
-                    cache_modifier=".cg")
+        s = tl.load(Scores + rows.to(tl.int64)[:, None] * num_kv + cols[None, :], mask=ok, other=float("-inf"))
         # Order-preserving uint32 keys of the float32 scores: negative ones bit-inverted, others sign bit set.
         bits = s.to(tl.uint32, bitcast=True)
         key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
