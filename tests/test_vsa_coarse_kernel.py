@@ -208,8 +208,8 @@ _INTERPRETED = textwrap.dedent("""
 def test_coarse_kernels_in_triton_interpreter():
     """The top-k kernel (ties, negatives, signed zeros, NaN, keys sharing long leading bits, equal rows, -inf;
     one and several rows per program; radix digits of 1, 2 and 4 bits; with and without the early exit; k of 1,
-    some and all) and the three-tensor means kernel (one, two and three heads per
-    program), run by Triton's interpreter on CPU tensors."""
+    some and all) and the three-tensor means kernel (one, two and three heads per program), run by Triton's
+    interpreter on CPU tensors."""
     rows, expected = _tie_rows()
     literal = repr(rows.tolist()).replace("nan", "float('nan')")
     prefix_rows, prefix_expected = _prefix_rows()

@@ -44,16 +44,15 @@ except ImportError:  # CPU-only torch builds ship without Triton
 
 from .vsa_triton import _LOG2_E, _unit_last_stride
 
-#: Launch configuration: heads per program of the means kernel (``mean_heads``, rounded up to a power of two:
-#: the group's heads are one load per row block) and its warps (``mean_warps``); query tiles per program of the
-#: scores kernel (``score_rows``), key tiles per step (``score_cols``), its pipeline stages (``score_stages``)
-#: and warps (``score_warps``); rows of scores per program of the top-k kernel
-#: (``select_rows``; its warps follow from the row length, one per 1024 scores, at most 8) and the bits of its
-#: radix digit (``select_bits``). The top-k kernel is bound by issuing its compares and row reductions, so one
-#: row on one warp (shuffles only, no barriers) with one-bit digits (32 steps of one count: the fewest
-#: compares) ran fastest: at 624 key tiles on an H100 the coarse stage took 0.35 / 0.30 ms synced / queued,
-#: against 0.46 / 0.38 at four rows and two bits, 0.64 / 0.54 at eight rows, 0.50 / 0.45 at one row and four
-#: bits (the torch path: 0.56 / 0.48; benchmarks/RESULTS.md).
+#: Launch configuration: heads per program of the means kernel (``mean_heads``, rounded up to a power of two: the
+#: group's heads are one load per row block) and its warps (``mean_warps``); query tiles per program of the scores
+#: kernel (``score_rows``), key tiles per step (``score_cols``), its pipeline stages (``score_stages``) and warps
+#: (``score_warps``); rows of scores per program of the top-k kernel (``select_rows``; its warps follow from the row
+#: length, one per 1024 scores, at most 8) and the bits of its radix digit (``select_bits``). The top-k kernel is bound
+#: by issuing its compares and row reductions, so one row on one warp (shuffles only, no barriers) with one-bit digits
+#: (32 steps of one count: the fewest compares) ran fastest: at 624 key tiles on an H100 the coarse stage took 0.35 /
+#: 0.30 ms synced / queued, against 0.46 / 0.38 at four rows and two bits, 0.64 / 0.54 at eight rows, 0.50 / 0.45 at one
+#: row and four bits (the torch path: 0.56 / 0.48; benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"mean_heads": 1, "mean_warps": 2, "score_rows": 16, "score_cols": 64, "score_stages": 2,
                   "score_warps": 4, "output_precision": "tf32x3",
                   "select_rows": 1, "select_bits": 1, "select_early_exit": True}
@@ -144,8 +143,7 @@ def _launch_coarse(q, k, v, q_offsets, q_sizes, kv_offsets, kv_sizes, tile_volum
     _tile_scores_kernel[(triton.cdiv(num_q, cfg["score_rows"]), B * H)](
         means[0], means[1], means[-1], scores, coarse, num_q, num_kv, scale * _LOG2_E, HEAD_DIM=D,
         ROWS=cfg["score_rows"], COLS=cfg["score_cols"], HAS_OUT=with_output, OUT_PRECISION=cfg["output_precision"],
-        num_warps=cfg["score_warps"],
-        num_stages=cfg["score_stages"])
+        num_warps=cfg["score_warps"], num_stages=cfg["score_stages"])
     return topk_tiles_triton(scores, topk, rows_per_program=cfg["select_rows"], bits_per_step=cfg["select_bits"],
                              early_exit=cfg["select_early_exit"]), coarse
 
