@@ -3,10 +3,12 @@ scores with the coarse output, and the radix top-k selection.
 
 On the GPU the kernels run compiled. Where Triton is importable without a GPU, its interpreter
 (``TRITON_INTERPRET=1``, in a subprocess: it must be set before the kernels are defined) runs the means and
-top-k kernels on CPU tensors; the scores kernel's loop over a runtime bound does not run in Triton 3.6's
-interpreter, so it is tested on the GPU only.
+top-k kernels on CPU tensors, and from Triton 3.9 on the whole three-launch stage; the scores kernel's loop over
+a runtime bound does not run in Triton 3.6's interpreter (its scalar arguments are one-element arrays, which
+NumPy 2.4 no longer turns into an index), so there the scores kernel is tested on the GPU only.
 """
 
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -168,7 +170,7 @@ _INTERPRETED = textwrap.dedent("""
     import torch
     from diffusers_sp.kernels import vsa
     from diffusers_sp.kernels.tiles import make_tile_layout, packed_offsets, tile_range_tokens, tile_tokens
-    from diffusers_sp.kernels.vsa_coarse_triton import _launch_means, topk_tiles_triton
+    from diffusers_sp.kernels.vsa_coarse_triton import _launch_coarse, _launch_means, topk_tiles_triton
 
     rows, expected = ROWS, EXPECTED
     for per_program, bits in ((1, 2), (2, 1), (8, 2), (1, 4)):
@@ -200,6 +202,27 @@ _INTERPRETED = textwrap.dedent("""
         for got, t in zip(means, x):
             want = vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long())
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    import triton
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9):
+        # Triton 3.9's interpreter runs the scores kernel's loop over a runtime bound (3.6's cannot): the three
+        # launches against float64 products of the tile means, all and a range of query tiles (partial tiles),
+        # with and without the coarse output.
+        q_mean, k_mean, v_mean = (vsa._tile_means(tile_tokens(t.float(), layout, dim=2), sizes.long()).double()
+                                  for t in x)
+        kp, vp = (t.index_select(2, order) for t in x[1:])
+        for start, end, topk, with_output in ((0, layout.num_tiles, 5, True), (3, 11, 1, False), (3, 11, 18, True)):
+            q_sizes = sizes[start:end]
+            qp = x[0].index_select(2, tile_range_tokens(layout, start, end))
+            selected, coarse = _launch_coarse(qp, kp, vp, packed_offsets(q_sizes), q_sizes, packed_offsets(sizes),
+                                              sizes, layout.tile_volume, topk, 32 ** -0.5, with_output)
+            products = q_mean[:, :, start:end] @ k_mean.transpose(-1, -2)
+            assert [set(r) for r in selected.view(-1, topk).tolist()] == \
+                [set(r) for r in products.topk(topk, dim=-1).indices.view(-1, topk).tolist()], (start, topk)
+            assert bool((selected.diff(dim=-1) > 0).all())
+            if with_output:
+                expected = torch.softmax(products * 32 ** -0.5, dim=-1) @ v_mean
+                torch.testing.assert_close(coarse.double(), expected, rtol=1e-5, atol=1e-5)
+        print("three-launch coarse stage interpreted")
     print("interpreted kernels ok")
 """)
 
@@ -208,8 +231,9 @@ _INTERPRETED = textwrap.dedent("""
 def test_coarse_kernels_in_triton_interpreter():
     """The top-k kernel (ties, negatives, signed zeros, NaN, keys sharing long leading bits, equal rows, -inf;
     one and several rows per program; radix digits of 1, 2 and 4 bits; with and without the early exit; k of 1,
-    some and all) and the three-tensor means kernel (one, two and three heads per program), run by Triton's
-    interpreter on CPU tensors."""
+    some and all), the three-tensor means kernel (one, two and three heads per program) and, from Triton 3.9
+    on, the three launches of the coarse stage (partial tiles, all and a range of query tiles, with and without
+    the output), run by Triton's interpreter on CPU tensors."""
     rows, expected = _tie_rows()
     literal = repr(rows.tolist()).replace("nan", "float('nan')")
     prefix_rows, prefix_expected = _prefix_rows()
@@ -221,3 +245,5 @@ def test_coarse_kernels_in_triton_interpreter():
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0 and "interpreted kernels ok" in result.stdout, result.stderr[-3000:]
+    triton_version = tuple(int(part) for part in importlib.metadata.version("triton").split(".")[:2])
+    assert ("three-launch coarse stage interpreted" in result.stdout) == (triton_version >= (3, 9)), result.stdout
