@@ -131,8 +131,10 @@ def _processor_factory(handle, installed: InstalledModel, plan: EnablePlan, opts
         if vsa is None:
             return dense(inner)
         gate = vsa.gates[index][layer] if vsa.gates[index] is not None else None
+        # The family's own self-attention whatever overlap_query_projection says: VSA has no K/V transfer
+        # to start early, and the rewrite runs the same bits with faster kernels (Wan's RoPE).
         return VideoSparseAttnProcessor(inner, state, sparsity=vsa.sparsity, sp_mode=vsa.sp_mode, gate=gate,
-                                        dispatch=dispatch)
+                                        dispatch=dispatch, kv_first=family.self_attention_kv_first)
 
     return make
 

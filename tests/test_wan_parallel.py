@@ -5,6 +5,9 @@ Each world size spawns its processes once and runs every case of tests/cases_wan
 
 from __future__ import annotations
 
+import copy
+from unittest import mock
+
 import pytest
 import torch
 
@@ -107,23 +110,33 @@ def test_group_usable_after_errors(results):
         assert_close(v["forward"]["kv_gather"], "forward after errors")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="GPU-only: the RoPE kernel runs on CUDA"))])
 @pytest.mark.parametrize("fused", [False, True], ids=["separate_qkv", "fused_qkv"])
-def test_kv_first_matches_the_model_processor_bitwise(fused):
+def test_kv_first_matches_the_model_processor_bitwise(fused, device):
     """Wan's K/V-first self-attention (pipelines/wan.py) runs the model processor's operations in
     another order; on one process, with the attention itself left to SDPA, the model's output must
-    not change by a bit (also guards against a Diffusers release changing WanAttnProcessor)."""
+    not change by a bit (also guards against a Diffusers release changing WanAttnProcessor). On CUDA,
+    in bf16, its RoPE is the Triton kernel of diffusers_sp.kernels.rope."""
     import torch.nn.functional as F
 
+    from diffusers_sp.kernels import rope as rope_kernel
     from diffusers_sp.pipelines.wan import wan_self_attention_kv_first
     from diffusers_sp.tiny_models import tiny_wan_transformer
 
+    kernel = rope_kernel._rope_triton
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = tiny_wan_transformer().eval()
+    rope = copy.deepcopy(model.rope).to(device)  # float32 tables, as from_pretrained(torch_dtype=...) keeps them
+    model = model.to(device, dtype)
+    model.rope = rope
     if fused:
         for block in model.blocks:
             block.attn1.fuse_projections()
     g = torch.Generator().manual_seed(3)
-    kwargs = dict(hidden_states=torch.randn(1, 16, 3, 6, 8, generator=g), timestep=torch.tensor([700.0]),
-                  encoder_hidden_states=torch.randn(1, 12, 32, generator=g))
+    kwargs = dict(hidden_states=torch.randn(1, 16, 3, 6, 8, generator=g).to(device, dtype),
+                  timestep=torch.tensor([700.0], device=device),
+                  encoder_hidden_states=torch.randn(1, 12, 32, generator=g).to(device, dtype))
     starts = []
 
     class KVFirst:
@@ -149,13 +162,17 @@ def test_kv_first_matches_the_model_processor_bitwise(fused):
         inners = [block.attn1.processor for block in model.blocks]
         # Cross-attention (encoder states given) is declined, so the model's processor runs it.
         attn2 = model.blocks[0].attn2
-        text = torch.randn(1, 12, 72)
-        assert wan_self_attention_kv_first(attn2.processor, attn2, (torch.randn(1, 4, 72),),
+        text = torch.randn(1, 12, 72, device=device, dtype=dtype)
+        assert wan_self_attention_kv_first(attn2.processor, attn2, (torch.randn(1, 4, 72, device=device, dtype=dtype),),
                                            dict(encoder_hidden_states=text), None, None) is NotImplemented
         for block, inner in zip(model.blocks, inners):
             block.attn1.processor = KVFirst(inner)
-        out = model(**kwargs).sample
+        launches = []
+        with mock.patch.object(rope_kernel, "_rope_triton",
+                               side_effect=lambda *a: (launches.append(1), kernel(*a))[1]):
+            out = model(**kwargs).sample
     assert len(starts) == len(model.blocks) and starts[0] == (1, 6, 3 * 3 * 4, 12)
+    assert len(launches) == (2 * len(model.blocks) if device == "cuda" else 0)  # queries and keys
     assert torch.equal(out, ref), (out - ref).abs().max()
 
 

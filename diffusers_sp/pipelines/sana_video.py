@@ -47,8 +47,8 @@ from ..processors.base import SequenceParallelAttnProcessor
 from ..grid_window import GridSide, GridWindow, GridWindowHook
 from ..plan_entries import SplitUnlessBroadcast
 from ..errors import SequenceParallelConfigError
+from ..kernels.rope import rope_adjacent_pairs
 from .spec import CONTROLNET_RESIDUALS, FamilySpec
-from .wan import _wan_rope
 
 _TOKENS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
 _ROPE = ContextParallelInput(split_dim=1, expected_dims=4, split_output=True)
@@ -58,8 +58,8 @@ _MODULATION = SplitUnlessBroadcast(_TOKENS)
 def sana_video_linear_attention(inner, attn, args: tuple, kwargs: dict, sum_over_ranks):
     """Sana-Video's linear self-attention on this rank's tokens, its sums over the tokens added over the ranks.
 
-    The operations of Diffusers' ``SanaLinearAttnProcessor3_0`` (0.42), in its order (the RoPE with the
-    same operations as its local function, :func:`~diffusers_sp.pipelines.wan._wan_rope`), except that
+    The operations of Diffusers' ``SanaLinearAttnProcessor3_0`` (0.42), in its order (the RoPE by
+    :func:`~diffusers_sp.kernels.rope.rope_adjacent_pairs`, bit-identical to its local function), except that
     ``V K_rot^T`` and ``sum(K)`` over this rank's tokens go through ``sum_over_ranks`` (one call: they are
     joined along the last dim) before they meet the queries.
 
@@ -95,7 +95,7 @@ def sana_video_linear_attention(inner, attn, args: tuple, kwargs: dict, sum_over
     query = torch.relu(query.unflatten(2, (attn.heads, -1)))
     key = torch.relu(key.unflatten(2, (attn.heads, -1)))
     value = value.unflatten(2, (attn.heads, -1))
-    query_rotate, key_rotate = _wan_rope(query, *rotary_emb), _wan_rope(key, *rotary_emb)
+    query_rotate, key_rotate = rope_adjacent_pairs(query, *rotary_emb), rope_adjacent_pairs(key, *rotary_emb)
     query, key = query.permute(0, 2, 3, 1), key.permute(0, 2, 3, 1)  # [B, H, D, S_r]
     query_rotate, key_rotate = query_rotate.permute(0, 2, 3, 1).float(), key_rotate.permute(0, 2, 3, 1).float()
     value = value.permute(0, 2, 3, 1).float()

@@ -74,7 +74,8 @@ class FamilySpec:
         self_attention_kv_first: ``None`` or the family's self-attention processor rewritten to make
             K and V before Q, so that the K/V transfer of either dense mode overlaps the query's work
             (``overlap_query_projection``; see
-            :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`, ``kv_first``).
+            :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`, ``kv_first``). VSA
+            runs it too, without the overlap, where it uses faster kernels of the same bits (Wan's RoPE).
         vsa_refusal: Why ``mode="vsa"`` cannot run on the family although its self-attention holds
             video tokens only and its latent grid could be read (``""``: no such reason).
         unsupported_inputs: ``{forward argument: what it is}``: arguments the family's plan does not

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import inspect
 
-import torch
 from diffusers.models._modeling_parallel import ContextParallelInput
 
+from ..kernels.rope import rope_adjacent_pairs
 from .spec import GATHER_TOKENS, SPLIT_TOKENS, FamilySpec, latent_grid_of
 
 # ((WanAttnProcessor and its copies), the signature of its __call__): what the K/V-first hook mirrors
@@ -52,19 +52,6 @@ wan_latent_grid = latent_grid_of("BCFHW")
 WAN_ATTENTION = ("blocks.*.attn1",)
 
 
-def _wan_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding on ``x`` ``[B, S, H, D]`` (pairs of adjacent channels rotated), with the
-    same operations in the same order as the function local to Diffusers' ``WanAttnProcessor.__call__``
-    (0.42), so the result is bit-identical; ``freqs_cos``/``freqs_sin`` ``[1, S, 1, D]`` (float32,
-    each value repeated for the two channels of a pair)."""
-    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = even * cos - odd * sin
-    out[..., 1::2] = even * sin + odd * cos
-    return out.type_as(x)
-
-
 def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv, finish_kv):
     """Wan's video self-attention (``attn1``) with K and V made, and their transfer started, before Q.
 
@@ -74,8 +61,12 @@ def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv
     RoPE, output projection: the model's own modules) in another order: K and V first, then
     ``start_kv``, then Q, whose projection, QK-norm and RoPE run on the GPU while K and V are in
     flight ("overlapping the K/V all-gather with the query projection"; with fused QKV projections,
-    ``fuse_projections()``, the one GEMM makes Q too, and only Q's norm and RoPE overlap). The output
-    is bit-identical to the model's processor (``tests/test_wan_parallel.py`` compares them).
+    ``fuse_projections()``, the one GEMM makes Q too, and only Q's norm and RoPE overlap). The RoPE is
+    :func:`~diffusers_sp.kernels.rope.rope_adjacent_pairs`: on CUDA one Triton kernel where the
+    processor runs eight operations, the same bits. The output is bit-identical to the model's processor
+    (``tests/test_wan_parallel.py`` compares them; ``tests/test_rope_kernel.py`` the RoPE kernel).
+    Strategies without a transfer to start early (VSA) run it too, for the RoPE: their ``start_kv``
+    holds K and V until the queries come.
 
     Args:
         inner: The model's processor; anything but a plain ``WanAttnProcessor`` (Wan's, or Wan
@@ -107,13 +98,13 @@ def wan_self_attention_kv_first(inner, attn, args: tuple, kwargs: dict, start_kv
     key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
     value = value.unflatten(2, (attn.heads, -1))
     if rotary_emb is not None:
-        key = _wan_rope(key, *rotary_emb)
+        key = rope_adjacent_pairs(key, *rotary_emb)
     started = start_kv(key.transpose(1, 2), value.transpose(1, 2))  # SDPA layout [B, H, S_r, D]
     if query is None:
         query = attn.to_q(hidden_states)
     query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
     if rotary_emb is not None:
-        query = _wan_rope(query, *rotary_emb)
+        query = rope_adjacent_pairs(query, *rotary_emb)
     out = finish_kv(started, query.transpose(1, 2)).transpose(1, 2)  # [B, S_r, H, D]
     out = out.flatten(2, 3).type_as(query)
     return attn.to_out[1](attn.to_out[0](out))

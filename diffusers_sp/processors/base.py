@@ -78,10 +78,12 @@ class SequenceParallelAttnProcessor:
         head_groups: G of the copy-engine pipeline (``"auto"`` or a positive int).
         kv_first: ``None`` or the family's self-attention with K and V made before the queries
             (:attr:`diffusers_sp.pipelines.FamilySpec.self_attention_kv_first`), called as
-            ``kv_first(inner, attn, args, kwargs, start_kv, finish_kv)``; it returns
-            ``NotImplemented`` for calls it does not cover, which then run the model's processor.
-            Used only by strategies with :attr:`supports_kv_first` (the K/V transfer then overlaps
-            the query projection).
+            ``kv_first(inner, attn, args, kwargs, start_kv, finish_kv)`` in place of the model's
+            processor; it returns ``NotImplemented`` for calls it does not cover, which then run the
+            model's processor. With :attr:`supports_kv_first` ``start_kv`` starts the K/V transfer,
+            which then overlaps the query projection; other strategies (VSA) get a ``start_kv`` that
+            holds K and V until the queries come (the family's rewrite may still run faster kernels
+            of the same bits, Wan's RoPE).
         attention_scale: ``None`` or the family's
             :attr:`~diffusers_sp.pipelines.FamilySpec.attention_scale`: the softmax scale the model's
             processor would pass over the full sequence, for a processor that derives it from the
@@ -125,7 +127,7 @@ class SequenceParallelAttnProcessor:
         self.kernel = kernel
         self.transport = transport
         self.head_groups = head_groups
-        self.kv_first = kv_first if self.supports_kv_first else None
+        self.kv_first = kv_first
         # IP-Adapter processors: only their first attention call per invocation is the self-attention
         # (module docstring); None: every intercepted call is.
         self.parallel_calls = 1 if "IPAdapter" in type(inner).__name__ else None
@@ -173,7 +175,9 @@ class SequenceParallelAttnProcessor:
             bound = inspect.signature(self.inner.__call__).bind(attn, *args, **kwargs)
             self._scale = self.attention_scale(attn, bound.arguments, self.state.seq_len)
         if self.kv_first is not None:
-            out = self.kv_first(self.inner, attn, args, kwargs, self._start_kv, self._finish_kv)
+            start, finish = ((self._start_kv, self._finish_kv) if self.supports_kv_first
+                             else (self._hold_kv, self._attend_held))
+            out = self.kv_first(self.inner, attn, args, kwargs, start, finish)
             if out is not NotImplemented:
                 return out
         if self._dispatch_call is not None:
@@ -263,6 +267,17 @@ class SequenceParallelAttnProcessor:
                 f"{type(self.inner).__name__}: queries {tuple(query.shape)} {query.dtype} do not match the "
                 f"keys {shape} {dtype}.")
         return self.finish_attention(pending, query, scale=scale)
+
+    @staticmethod
+    def _hold_kv(key: torch.Tensor, value: torch.Tensor):
+        """``start_kv`` of :attr:`kv_first` for strategies without :attr:`supports_kv_first`: nothing starts."""
+        return key, value
+
+    def _attend_held(self, held, query: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """``finish_kv`` of :attr:`kv_first` for strategies without :attr:`supports_kv_first`: the attention
+        call the model's processor would make, ``[B, H, S_r, D]`` each."""
+        key, value = held
+        return self._attend(query, key, value, scale=scale)
 
     def _take_call(self) -> bool:
         """Whether this attention call is the one to run in parallel (see ``parallel_calls``)."""

@@ -188,7 +188,8 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
             (``"auto"``: the Triton kernel on CUDA in bf16/fp16, else flex_attention on CUDA, else the
             reference implementation).
         kernel: Unused by VSA (kept for the common processor signature).
-        dispatch: See :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`.
+        dispatch, kv_first: See :class:`~diffusers_sp.processors.base.SequenceParallelAttnProcessor`; with
+            ``kv_first`` (Wan) the family's own self-attention runs, K and V held until the queries come.
 
     Tensors in the taken-over attention call are ``[B, H, S_r, D]``: this rank's tokens in tile order.
     """
@@ -196,8 +197,8 @@ class VideoSparseAttnProcessor(SequenceParallelAttnProcessor):
     strategy = "vsa"
 
     def __init__(self, inner, state, *, sparsity: float, sp_mode: str, gate=None, backend: str = "auto",
-                 kernel: str = "auto", dispatch: bool = False):
-        super().__init__(inner, state, kernel=kernel, dispatch=dispatch)
+                 kernel: str = "auto", dispatch: bool = False, kv_first=None):
+        super().__init__(inner, state, kernel=kernel, dispatch=dispatch, kv_first=kv_first)
         self.backend = backend
         self.sparsity = sparsity
         self.sp_mode = sp_mode
