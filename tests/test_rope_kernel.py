@@ -121,12 +121,15 @@ def test_rope_kernel_bit_identical_on_gpu(dtype):
 
 @cuda
 def test_rope_kernel_declines_what_it_cannot_match():
-    """Autograd, bf16 tables, odd D and mismatched tables run the reference; the gradient then flows."""
+    """Autograd, bf16 tables, odd D, mismatched tables and empty inputs run the reference; the gradient then
+    flows."""
     x = _inputs(1, 8, 2, 8, torch.bfloat16, device="cuda")
     cos, sin = _tables(1, 8, 2, 8, device="cuda")
     assert not fused_rope_applies(x, cos.bfloat16(), sin.bfloat16())
     assert not fused_rope_applies(x[..., :7], cos[..., :7], sin[..., :7])
     assert not fused_rope_applies(x, cos[:, :4], sin[:, :4])
+    assert not fused_rope_applies(x[:, :0], cos[:, :0], sin[:, :0])
+    assert rope_adjacent_pairs(x[:, :0], cos[:, :0], sin[:, :0]).shape == (1, 0, 2, 8)
     leaf = x.float().requires_grad_()
     assert not fused_rope_applies(leaf, cos, sin)
     rope_adjacent_pairs(leaf, cos, sin).sum().backward()

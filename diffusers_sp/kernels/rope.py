@@ -56,8 +56,8 @@ def rope_adjacent_pairs_reference(x: torch.Tensor, freqs_cos: torch.Tensor, freq
 def fused_rope_applies(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> bool:
     """Whether :func:`rope_adjacent_pairs` runs its Triton kernel on these inputs: CUDA tensors on one
     device, Triton installed, ``x`` ``[B, S, H, D]`` bf16, fp16 or float32 with D even and unit stride along
-    D, float32 tables of one shape ``[1 or B, S, 1 or H, D]`` with unit stride along D, fewer than 2**31
-    elements, no autograd graph to record, and not inside ``torch.compile``."""
+    D, float32 tables of one shape ``[1 or B, S, 1 or H, D]`` with unit stride along D, at least one and
+    fewer than 2**31 elements, no autograd graph to record, and not inside ``torch.compile``."""
     if triton is None or not x.is_cuda or torch.compiler.is_compiling():
         return False
     if x.dtype not in _DTYPES or freqs_cos.dtype != torch.float32 or freqs_sin.dtype != torch.float32:
@@ -68,7 +68,7 @@ def fused_rope_applies(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torc
     tb, ts, th, td = freqs_cos.shape
     if dim % 2 or td != dim or ts != seq or tb not in (1, batch) or th not in (1, heads):
         return False
-    if x.stride(-1) != 1 or freqs_cos.stride(-1) != 1 or freqs_sin.stride(-1) != 1 or x.numel() >= 2**31:
+    if x.stride(-1) != 1 or freqs_cos.stride(-1) != 1 or freqs_sin.stride(-1) != 1 or not 0 < x.numel() < 2**31:
         return False
     if freqs_cos.device != x.device or freqs_sin.device != x.device:
         return False
