@@ -5,9 +5,9 @@
     python benchmarks/bench_rope.py [--repeats 50] [--json PATH]
 
 Per shape (queries or keys of the Wan 1.3B and 14B self-attention, ``[1, S, H, 128]`` bf16, float32 tables
-``[1, S, 1, 128]``): ms per call, the median of ``--repeats`` calls each between CUDA events, the two
-versions interleaved; the memory each reads and writes at its minimum (the input, the tables and the
-output once); and whether the outputs are equal bit for bit.
+``[1, S, 1, 128]``): ms per call, the median of ``--repeats`` calls after a warm-up, each between CUDA
+events on an idle GPU (``bench_vsa_kernel.time_ms``); the memory each reads and writes at its minimum
+(the input, the tables and the output once); and whether the outputs are equal bit for bit.
 """
 
 from __future__ import annotations
@@ -15,27 +15,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_vsa_kernel import time_ms  # noqa: E402  (median of CUDA-event timings after warm-up)
 from diffusers_sp.kernels.rope import fused_rope_applies, rope_adjacent_pairs, rope_adjacent_pairs_reference  # noqa: E402
 
 #: (name, tokens, heads): the self-attention of Wan 1.3B (480x832x81) and 14B (1280x720x81).
 SHAPES = [("1.3b", 32760, 12), ("14b", 75600, 40)]
 HEAD_DIM = 128
-
-
-def _ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def run_shape(name: str, tokens: int, heads: int, repeats: int) -> dict:
@@ -48,18 +39,11 @@ def run_shape(name: str, tokens: int, heads: int, repeats: int) -> dict:
     versions = {"model's operations": lambda: rope_adjacent_pairs_reference(x, cos, sin),
                 "Triton kernel": lambda: rope_adjacent_pairs(x, cos, sin)}
     equal = torch.equal(versions["Triton kernel"](), versions["model's operations"]())
-    for fn in versions.values():  # warm-up (the kernel's compile)
-        fn()
-    times = {k: [] for k in versions}
-    for _ in range(repeats):
-        for k, fn in versions.items():
-            times[k].append(_ms(fn))
-    ms = {k: statistics.median(v) for k, v in times.items()}
+    ms = {k: time_ms(fn, warmup=3, iters=repeats) for k, fn in versions.items()}  # warm-up: the kernel's compile
+    model_ms, kernel_ms = ms["model's operations"], ms["Triton kernel"]
     minimum_bytes = 2 * x.numel() * x.element_size() + 2 * cos.numel() * cos.element_size()
     row = dict(shape=name, x=list(x.shape), ms=ms, equal=equal, minimum_gb=minimum_bytes / 1e9,
-               speedup=ms["model's operations"] / ms["Triton kernel"],
-               kernel_tb_per_s=minimum_bytes / (ms["Triton kernel"] * 1e-3) / 1e12)
-    model_ms, kernel_ms = ms["model's operations"], ms["Triton kernel"]
+               speedup=model_ms / kernel_ms, kernel_tb_per_s=minimum_bytes / (kernel_ms * 1e-3) / 1e12)
     print(f"{name} {tuple(x.shape)}: model's operations {model_ms:.3f} ms, Triton kernel {kernel_ms:.3f} ms "
           f"({row['speedup']:.1f}x; {row['kernel_tb_per_s']:.2f} TB/s of the minimum {row['minimum_gb']:.3f} GB), "
           f"equal bit for bit: {equal}")
