@@ -18,6 +18,8 @@ whose Inductor fuses the same operations itself) the model's operations run.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -103,22 +105,22 @@ def _rope_triton(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tens
     batch, seq, heads, dim = x.shape
     out = torch.empty((batch, seq, heads, dim), dtype=x.dtype, device=x.device)
     rows = batch * seq * heads
-    # A table dimension of size 1 is broadcast: its stride is read as 0.
-    cos_strides = [freqs_cos.stride(i) if freqs_cos.shape[i] > 1 else 0 for i in range(3)]
-    sin_strides = [freqs_sin.stride(i) if freqs_sin.shape[i] > 1 else 0 for i in range(3)]
     grid = (triton.cdiv(rows, _ROWS),)
     extra = {} if _interpreting() else {"enable_fp_fusion": fp_fusion}
     _rope_pairs_kernel[grid](
         x, freqs_cos, freqs_sin, out, rows, seq, heads,
-        x.stride(0), x.stride(1), x.stride(2), *cos_strides, *sin_strides,
+        x.stride(0), x.stride(1), x.stride(2), *_table_strides(freqs_cos), *_table_strides(freqs_sin),
         HALF=dim // 2, PAIRS=triton.next_power_of_2(dim // 2), ROWS=_ROWS, num_warps=4, **extra)
     return out
 
 
+def _table_strides(table: torch.Tensor) -> list[int]:
+    """Strides of a table's first three dimensions, 0 for one of size 1 (broadcast over B or H)."""
+    return [table.stride(i) if table.shape[i] > 1 else 0 for i in range(3)]
+
+
 def _interpreting() -> bool:
     """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``), which takes no compile options."""
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
