@@ -99,18 +99,19 @@ _ROWS = 32
 
 
 def _rope_triton(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, *,
-                 fp_fusion: bool = False) -> torch.Tensor:
+                 fp_fusion: bool = False, rows_per_program: int = _ROWS, num_warps: int = 4) -> torch.Tensor:
     """Launches :func:`_rope_pairs_kernel` (``fp_fusion=True`` only to show, in a test, that contraction changes
-    bits)."""
+    bits; the launch configuration is a parameter for ``benchmarks/bench_rope.py --sweep``)."""
     batch, seq, heads, dim = x.shape
     out = torch.empty((batch, seq, heads, dim), dtype=x.dtype, device=x.device)
     rows = batch * seq * heads
-    grid = (triton.cdiv(rows, _ROWS),)
+    grid = (triton.cdiv(rows, rows_per_program),)
     extra = {} if _interpreting() else {"enable_fp_fusion": fp_fusion}
     _rope_pairs_kernel[grid](
         x, freqs_cos, freqs_sin, out, rows, seq, heads,
         x.stride(0), x.stride(1), x.stride(2), *_table_strides(freqs_cos), *_table_strides(freqs_sin),
-        HALF=dim // 2, PAIRS=triton.next_power_of_2(dim // 2), ROWS=_ROWS, num_warps=4, **extra)
+        HALF=dim // 2, PAIRS=triton.next_power_of_2(dim // 2), ROWS=rows_per_program, num_warps=num_warps,
+        **extra)
     return out
 
 
