@@ -87,7 +87,8 @@ def rope_adjacent_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: tor
             repeated for the two channels of a pair.
 
     Returns:
-        A new contiguous ``[B, S, H, D]`` tensor in ``x``'s dtype.
+        A new ``[B, S, H, D]`` tensor in ``x``'s dtype: contiguous from the kernel, laid out as ``x`` (as
+        ``torch.empty_like`` lays it out) from the model's operations.
     """
     if not fused_rope_applies(x, freqs_cos, freqs_sin):
         return rope_adjacent_pairs_reference(x, freqs_cos, freqs_sin)
