@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -149,16 +150,11 @@ def test_wan_vsa_self_attention_takes_the_family_rope():
     gen = torch.Generator().manual_seed(4)
     kwargs = dict(hidden_states=torch.randn(1, 16, 5, 8, 10, generator=gen), timestep=torch.tensor([500.0]),
                   encoder_hidden_states=torch.randn(1, 12, 32, generator=gen))
-    calls = []
-    original = wan.rope_adjacent_pairs
     with torch.no_grad():
         handle = enable_sequence_parallel(model, mode="vsa", vsa_sparsity=0.5, vsa_tile_size=(2, 2, 2))
-        wan.rope_adjacent_pairs = lambda *a: (calls.append(1), original(*a))[1]
-        try:
+        with mock.patch.object(wan, "rope_adjacent_pairs", wraps=wan.rope_adjacent_pairs) as rope:
             out = model(**kwargs).sample
-        finally:
-            wan.rope_adjacent_pairs = original
-        assert len(calls) == 2 * len(model.blocks)  # queries and keys of every block
+        assert rope.call_count == 2 * len(model.blocks)  # queries and keys of every block
         for block in model.blocks:
             block.attn1.processor.kv_first = None  # the model's processor, its attention call taken over
         generic = model(**kwargs).sample
